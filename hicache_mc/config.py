@@ -1,0 +1,215 @@
+"""Configuration: one frozen dataclass per process role and one loader.
+
+Precedence, lowest first: dataclass defaults < a TOML/JSON file < ``HICACHE_MC_*`` environment
+variables < explicit keyword arguments. Unknown keys and bad values raise ``ConfigError`` naming
+the key. Sizes accept plain bytes or ``4GiB`` / ``512MiB`` / ``64KB``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, TypeVar
+
+from .errors import ConfigError
+
+ENV_PREFIX = "HICACHE_MC_"
+DEFAULT_MASTER = "tcp://127.0.0.1:7370"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, name: str = "size") -> int:
+    """Bytes from an int or a string such as ``4GiB``; raises ConfigError naming ``name``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: size must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{name}: cannot parse size {value!r} (use e.g. 4GiB, 512MiB, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def size_field(default: str) -> Any:
+    """A dataclass field holding a byte count that also accepts ``4GiB``-style strings."""
+    return field(default=parse_size(default), metadata={"size": True})
+
+
+def default_data_dir() -> str:
+    """Per-user folder for node data (SSD tier, segment files)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hicache-mc")
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """The master: key index, membership and placement."""
+    host: str = "127.0.0.1"            # bind address; 127.0.0.1 unless told otherwise
+    port: int = 7370
+    heartbeat_interval_s: float = 1.0  # nodes heartbeat this often
+    liveness: int = 3                  # a node missing this many heartbeats is dropped
+    token: str = ""                    # shared secret every request must carry ("" = none)
+
+    def __post_init__(self):
+        _check_port(self.port, "port")
+        _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
+        _check_positive(self.liveness, "liveness")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A storage node: DRAM tier and data plane."""
+    master: str = DEFAULT_MASTER
+    host: str = "127.0.0.1"            # bind address of the data plane
+    port: int = 0                      # 0 = any free port (reported to the master)
+    node_id: str = ""                  # "" = derived from host and port
+    dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
+    high_watermark: float = 0.95       # above this fraction of DRAM, evict LRU objects ...
+    low_watermark: float = 0.85        # ... down to this fraction
+    lease_s: float = 2.0               # a shm reader must finish copying within this
+    reserve_s: float = 10.0            # a shm writer must commit reserved slots within this
+    max_value: int = size_field("256MiB")  # largest single object accepted
+    heartbeat_interval_s: float = 1.0
+    shm_dir: str = "/dev/shm"          # where the DRAM segment file lives
+    data_dir: str = field(default_factory=default_data_dir)
+    token: str = ""
+
+    def __post_init__(self):
+        _check_port(self.port, "port")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"low_watermark/high_watermark: need 0 < low <= high <= 1, got "
+                              f"{self.low_watermark}/{self.high_watermark}")
+        if self.dram < 1 << 20:
+            raise ConfigError(f"dram: at least 1MiB, got {self.dram} bytes")
+        _check_positive(self.lease_s, "lease_s")
+        _check_positive(self.reserve_s, "reserve_s")
+        _check_positive(self.max_value, "max_value")
+        _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A StoreClient (and the SGLang backend built on it)."""
+    master: str = DEFAULT_MASTER
+    transport: str = "auto"            # auto | shm | tcp
+    timeout_s: float = 5.0             # deadline of every call
+    circuit_failures: int = 3          # consecutive failures that open the circuit ...
+    circuit_open_s: float = 2.0        # ... for this long (calls answer misses at once)
+    verify_checksums: bool = True      # a mismatch is a miss, counted and logged
+    token: str = ""
+
+    def __post_init__(self):
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise ConfigError(f"transport: expected auto, shm or tcp, got {self.transport!r}")
+        _check_positive(self.timeout_s, "timeout_s")
+        _check_positive(self.circuit_failures, "circuit_failures")
+        if self.circuit_open_s < 0:
+            raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+
+
+def _check_port(value: int, name: str) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{name}: expected 0..65535, got {value}")
+
+
+def _check_positive(value: float, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0, got {value}")
+
+
+T = TypeVar("T")
+
+
+def load_config(cls: type[T], file: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                section: Optional[str] = None, **explicit: Any) -> T:
+    """Build ``cls`` from defaults < ``file`` < env ``HICACHE_MC_*`` < ``explicit``.
+
+    ``file`` is TOML or JSON; its keys may sit at the top level or under ``[section]``.
+    ``None`` values in ``explicit`` mean "not given". Unknown keys raise ConfigError.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    if file:
+        values.update(_read_file(file, section, fields))
+    env = os.environ if env is None else env
+    for name in fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw
+    for name, value in explicit.items():
+        if value is None:
+            continue
+        if name not in fields:
+            raise ConfigError(f"{name}: unknown setting for {cls.__name__} "
+                              f"(known: {', '.join(sorted(fields))})")
+        values[name] = value
+    converted = {name: _convert(fields[name], value) for name, value in values.items()}
+    try:
+        return cls(**converted)
+    except TypeError as exc:  # pragma: no cover - guarded by the checks above
+        raise ConfigError(str(exc)) from exc
+
+
+def _read_file(path: str, section: Optional[str], fields: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r}: {exc.strerror}") from exc
+    try:
+        if path.endswith(".json"):
+            doc = json.loads(data)
+        else:
+            import tomllib
+            doc = tomllib.loads(data.decode())
+    except Exception as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from exc
+    if section and isinstance(doc.get(section), dict):
+        doc = doc[section]
+    out = {}
+    for name, value in doc.items():
+        if isinstance(value, dict):
+            continue  # another role's section
+        if name not in fields:
+            raise ConfigError(f"{name}: unknown setting in {path!r} (known: {', '.join(sorted(fields))})")
+        out[name] = value
+    return out
+
+
+def _convert(f: dataclasses.Field, value: Any) -> Any:
+    name, typ = f.name, f.type
+    if f.metadata.get("size"):
+        return parse_size(value, name)
+    try:
+        if typ in ("bool", bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ in ("int", int):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ in ("float", float):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ in ("str", str):
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {typ}, got {value!r}") from None
+    return value

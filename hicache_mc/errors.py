@@ -1,0 +1,34 @@
+"""Error hierarchy. A cache miss is never an exception: these are for misuse and broken peers."""
+
+
+class HicacheError(Exception):
+    """Base of every error hicache-mc raises on purpose."""
+
+
+class ConfigError(HicacheError, ValueError):
+    """A setting is unknown or has a bad value; the message names the setting."""
+
+
+class ProtocolError(HicacheError):
+    """A frame could not be decoded, or names an unknown message or version.
+
+    ``code`` is what the server puts in its ErrorReply: ``bad_request``, ``bad_version`` or
+    ``unknown_type``.
+    """
+
+    def __init__(self, message: str, code: str = "bad_request"):
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteError(HicacheError):
+    """A server answered a request with an error reply."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class StoreUnavailable(HicacheError):
+    """A server did not answer within the deadline (or the client's circuit is open)."""

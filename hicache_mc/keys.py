@@ -1,0 +1,60 @@
+"""Key namespacing shared by the SGLang adapter, the GPU-direct path and the embedding cache.
+
+SGLang's page key is a chained SHA-256 over token ids only: it says nothing of the model, the
+KV dtype, the host layout or the page size, so two deployments could read each other's pages.
+hicache-mc prefixes every key with a namespace: a short digest of everything that changes the
+bytes of a page. A store key is ``<namespace>/<page hash>/<part>``; parts are ``k`` and ``v`` for
+MHA and ``kv`` for MLA, in the order ``get_page_buffer_meta`` gives the pointers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+NAMESPACE_CHARS = 16   # 64 bits of SHA-256: collisions need ~4e9 distinct deployments
+
+
+@dataclass(frozen=True)
+class KVNamespace:
+    """Everything that changes the bytes of a KV page. MLA pages are shared by all TP ranks."""
+    model: str
+    kv_dtype: str                 # e.g. "torch.bfloat16"
+    layout: str                   # host layout: page_first, page_first_direct, page_head, layer_first
+    page_size: int
+    start_layer: int = 0
+    end_layer: int = -1           # inclusive; -1 = all layers
+    tp_size: int = 1
+    tp_rank: int = 0
+    is_mla: bool = False
+    pp_rank: int = 0
+    attn_cp_rank: int = 0
+    tenant: str = ""
+
+    def digest(self) -> str:
+        fields = asdict(self)
+        if self.is_mla:  # one copy of an MLA page serves every TP rank
+            fields["tp_size"] = fields["tp_rank"] = None
+        blob = json.dumps(["kv", fields], sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS]
+
+    def parts(self) -> tuple[str, ...]:
+        return ("kv",) if self.is_mla else ("k", "v")
+
+
+def page_keys(namespace: str, page_hash: str, parts: tuple[str, ...]) -> list[str]:
+    """Store keys of one page, one per part."""
+    return [f"{namespace}/{page_hash}/{p}" for p in parts]
+
+
+def batch_page_keys(namespace: str, page_hashes: list[str], parts: tuple[str, ...]) -> list[str]:
+    """Store keys of many pages, page-major: [p0/k, p0/v, p1/k, p1/v, ...]."""
+    return [f"{namespace}/{h}/{p}" for h in page_hashes for p in parts]
+
+
+def embedding_namespace(model: str, encoder_version: str = "", dtype: Optional[str] = None,
+                        tenant: str = "") -> str:
+    """Namespace of multimodal embeddings; never equal to a KV namespace."""
+    blob = json.dumps(["emb", model, encoder_version, dtype, tenant]).encode()
+    return "emb-" + hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS]

@@ -1,0 +1,70 @@
+"""Node membership (heartbeat x liveness expiry) and placement."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..protocol import NodeInfo
+
+
+@dataclass
+class NodeState:
+    info: NodeInfo
+    slot: int
+    last_seen: float
+    stats: dict = field(default_factory=dict)
+    planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
+
+    @property
+    def free(self) -> int:
+        used = int(self.stats.get("used", 0))
+        return self.info.capacity - used - self.planned
+
+
+class NodeRegistry:
+    """Live nodes. A node silent for ``interval * liveness`` seconds is expired."""
+
+    def __init__(self, interval_s: float, liveness: int):
+        self.expiry_s = interval_s * liveness
+        self.nodes: dict[str, NodeState] = {}
+
+    def upsert(self, info: NodeInfo, slot: int) -> NodeState:
+        st = NodeState(info, slot, time.monotonic())
+        self.nodes[info.node_id] = st
+        return st
+
+    def touch(self, node_id: str, stats: dict) -> Optional[NodeState]:
+        st = self.nodes.get(node_id)
+        if st is not None:
+            st.last_seen = time.monotonic()
+            st.stats = stats
+            st.planned = 0
+        return st
+
+    def expire(self, now: float) -> list[NodeState]:
+        dead = [st for st in self.nodes.values() if now - st.last_seen > self.expiry_s]
+        for st in dead:
+            del self.nodes[st.info.node_id]
+        return dead
+
+    def live_slots(self) -> set[int]:
+        return {st.slot for st in self.nodes.values()}
+
+    def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
+        """A node per object: the writer's own host first, then the most free space.
+
+        Within the candidate set each object goes to the node with the most estimated free
+        space, so one batch spreads over equal nodes. None where no live node exists.
+        """
+        local = [st for st in self.nodes.values() if st.info.host == host]
+        result: list[Optional[str]] = []
+        for size in sizes:
+            pool = local if any(st.free >= size for st in local) else list(self.nodes.values())
+            if not pool:
+                result.append(None)
+                continue
+            best = max(pool, key=lambda st: st.free)
+            best.planned += size
+            result.append(best.info.node_id)
+        return result

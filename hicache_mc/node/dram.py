@@ -1,0 +1,176 @@
+"""DramTier: objects in one shared-memory file, LRU eviction, leases and quarantine.
+
+The segment is a file under ``/dev/shm`` mapped with mmap. Same-host clients map it too and
+copy straight in (reserved slots) or out (leased objects), so the node never touches the bytes
+on the shm path.
+
+Reuse safety: every read hands out a lease (``lease_s``); an object freed while a lease on it
+is live goes to quarantine until the lease ends, so a reader never sees its slot rewritten
+mid-copy. Slots never leased are reused at once. Checksums (computed by writers, verified by
+readers) catch anything else, e.g. a writer still copying after its reservation expired.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import mmap
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from .allocator import SlotAllocator
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
+MAGIC = b"HICACHEMC-SEG-1\0"
+
+
+@dataclass
+class Obj:
+    offset: int
+    size: int
+    checksum: int
+    lease_until: float = 0.0
+
+
+class DramTier:
+    def __init__(self, path: str, capacity: int, segment_id: str, lease_s: float,
+                 high_watermark: float, low_watermark: float):
+        self.path = path
+        self.capacity = capacity
+        self.lease_s = lease_s
+        self.high = int(capacity * high_watermark)
+        self.low = int(capacity * low_watermark)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + capacity)
+            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity)
+        finally:
+            os.close(fd)
+        header = MAGIC + segment_id.encode()
+        self.mm[: len(header)] = header
+        self.alloc = SlotAllocator(HEADER_BYTES, capacity)
+        self.objects: "OrderedDict[str, Obj]" = OrderedDict()   # LRU order: oldest first
+        self.reserved: dict[str, tuple[Obj, float]] = {}        # key -> (slot, commit deadline)
+        self._quarantine: list[tuple[float, int, int]] = []     # (release time, offset, size)
+        self._quarantined_bytes = 0
+        self.dropped: list[str] = []                            # evicted keys the master must hear of
+        self.evictions = 0
+
+    # ------------------------------------------------------------ writes
+
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+        """Offset of a slot for ``key`` (commit before now+hold_s); -1 = no room, -2 = stored."""
+        if key in self.objects or key in self.reserved:
+            return -2
+        offset = self._allocate(size, now)
+        if offset >= 0:
+            self.reserved[key] = (Obj(offset, size, 0), now + hold_s)
+        return offset
+
+    def commit(self, key: str, checksum: int) -> bool:
+        """Make a reserved slot a readable object."""
+        entry = self.reserved.pop(key, None)
+        if entry is None:
+            return False
+        obj = entry[0]
+        obj.checksum = checksum
+        self.objects[key] = obj
+        return True
+
+    def write(self, key: str, data: memoryview, checksum: int, now: float) -> bool:
+        """Reserve, copy and commit in one go (the tcp path). A stored key counts as success."""
+        offset = self.reserve(key, len(data), now, 0.0)
+        if offset == -2:
+            return key in self.objects
+        if offset < 0:
+            return False
+        self.mm[offset: offset + len(data)] = data
+        return self.commit(key, checksum)
+
+    # ------------------------------------------------------------ reads
+
+    def lease(self, key: str, now: float) -> Optional[Obj]:
+        """The object, marked most recently used and protected from reuse for ``lease_s``."""
+        obj = self.objects.get(key)
+        if obj is not None:
+            self.objects.move_to_end(key)
+            obj.lease_until = now + self.lease_s
+        return obj
+
+    def view(self, obj: Obj) -> memoryview:
+        return memoryview(self.mm)[obj.offset: obj.offset + obj.size]
+
+    # ------------------------------------------------------------ space
+
+    def _allocate(self, size: int, now: float) -> int:
+        self._release_quarantine(now)
+        offset = self.alloc.allocate(size)
+        while offset < 0 and self.objects:
+            self._evict_one(now)
+            self._release_quarantine(now)
+            offset = self.alloc.allocate(size)
+        return offset
+
+    def _evict_one(self, now: float) -> None:
+        key, obj = self.objects.popitem(last=False)
+        self._free(obj, now)
+        self.dropped.append(key)
+        self.evictions += 1
+
+    def _free(self, obj: Obj, now: float) -> None:
+        if obj.lease_until > now:
+            heapq.heappush(self._quarantine, (obj.lease_until, obj.offset, obj.size))
+            self._quarantined_bytes += obj.size
+        else:
+            self.alloc.free(obj.offset, obj.size)
+
+    def _release_quarantine(self, now: float) -> None:
+        q = self._quarantine
+        while q and q[0][0] <= now:
+            _, offset, size = heapq.heappop(q)
+            self._quarantined_bytes -= size
+            self.alloc.free(offset, size)
+
+    def maintain(self, now: float) -> None:
+        """Expire stale reservations, release quarantine, evict above the high watermark."""
+        for key in [k for k, (_, deadline) in self.reserved.items() if deadline < now]:
+            obj, _ = self.reserved.pop(key)
+            # the writer may still be copying: keep the slot out of use for one more lease
+            obj.lease_until = now + self.lease_s
+            self._free(obj, now)
+            log.warning("reservation for %s expired before commit; slot reclaimed", key)
+        self._release_quarantine(now)
+        if self.alloc.used > self.high:
+            # quarantined bytes come back by themselves once their leases end
+            while self.objects and self.alloc.used - self._quarantined_bytes > self.low:
+                self._evict_one(now)
+
+    def remove(self, keys: Iterable[str], now: float) -> list[str]:
+        gone = []
+        for key in keys:
+            obj = self.objects.pop(key, None)
+            if obj is not None:
+                self._free(obj, now)
+                gone.append(key)
+        return gone
+
+    def clear(self, prefix: str, now: float) -> list[str]:
+        return self.remove([k for k in self.objects if k.startswith(prefix)], now)
+
+    def stats(self) -> dict:
+        return {"objects": len(self.objects), "used": self.alloc.used, "capacity": self.capacity,
+                "reserved": len(self.reserved), "quarantined": len(self._quarantine),
+                "evictions": self.evictions}
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a zero-copy send still holds a view; the OS reclaims it at exit
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

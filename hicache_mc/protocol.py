@@ -1,0 +1,327 @@
+"""Wire protocol: typed messages with msgpack headers; page bytes travel as separate frames.
+
+A message on the wire is one ZeroMQ multipart message::
+
+    [header, payload_0, payload_1, ...]
+    header = msgpack([VERSION, type_name, request_id, token, [field values in declaration order]])
+
+Payload frames carry object bytes (``Write`` requests, ``Read`` replies) and are sent with
+``copy=False``; they never go through msgpack. No pickle anywhere. ROUTER sockets see the peer
+identity as an extra leading frame, which the services strip before ``decode``.
+
+Every request class is named ``<Verb>Request`` and is answered by ``<Verb>Reply`` or by
+``ErrorReply`` (bad input, bad token, unknown type, wrong version, server-side failure).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import msgpack
+
+from .errors import ProtocolError, RemoteError
+
+VERSION = 1
+MAX_HEADER_BYTES = 64 << 20  # a header bigger than this is rejected before unpacking
+
+_REGISTRY: dict[str, type["Message"]] = {}
+
+
+class Message:
+    """Base of every wire message. Subclasses are frozen dataclasses registered by name."""
+    TYPE: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = cls.__name__
+        _REGISTRY[cls.TYPE] = cls
+
+
+def message(cls):
+    """Class decorator: a frozen dataclass message with field type checks on decode."""
+    cls = dataclass(frozen=True)(cls)
+    cls._hints = typing.get_type_hints(cls)
+    cls._fields = tuple(f.name for f in dataclasses.fields(cls))
+    return cls
+
+
+# ---------------------------------------------------------------- generic replies
+
+@message
+class ErrorReply(Message):
+    code: str            # bad_request | bad_token | bad_version | unknown_type | internal | ...
+    message: str
+
+
+@message
+class OkReply(Message):
+    pass
+
+
+# ---------------------------------------------------------------- master: client side
+
+@message
+class ExistsRequest(Message):
+    keys: list[str]
+
+
+@message
+class ExistsReply(Message):
+    count: int           # length of the leading run of keys stored on live nodes
+
+
+@message
+class LocateRequest(Message):
+    keys: list[str]
+
+
+@message
+class LocateReply(Message):
+    # Per key of the leading present run: [node_id, size, checksum]. Misses end the run.
+    entries: list[list]
+    nodes: dict[str, dict]   # node_id -> NodeInfo.to_dict()
+
+
+@message
+class PlaceRequest(Message):
+    keys: list[str]
+    sizes: list[int]
+    host: str                # the writer's host, for placement on its own host first
+
+
+@message
+class PlaceReply(Message):
+    targets: list[Optional[str]]  # node id per key; None = already stored (nothing to write)
+    nodes: dict[str, dict]
+
+
+@message
+class StatsRequest(Message):
+    pass
+
+
+@message
+class StatsReply(Message):
+    stats: dict
+
+
+# ---------------------------------------------------------------- master: node side
+
+@message
+class RegisterRequest(Message):
+    node: dict               # NodeInfo.to_dict()
+
+
+@message
+class RegisterReply(Message):
+    epoch: str
+
+
+@message
+class HeartbeatRequest(Message):
+    node_id: str
+    stats: dict
+
+
+@message
+class HeartbeatReply(Message):
+    epoch: str
+    known: bool              # False: the master does not know this node; register again
+
+
+@message
+class CommittedRequest(Message):
+    node_id: str
+    keys: list[str]
+    sizes: list[int]
+    checksums: list[int]
+
+
+@message
+class EvictedRequest(Message):
+    node_id: str
+    keys: list[str]
+
+
+# ---------------------------------------------------------------- node data plane
+
+@message
+class ReadRequest(Message):
+    keys: list[str]
+
+
+@message
+class ReadReply(Message):
+    # tcp: one payload frame per found key, in order. sizes[i] == -1 marks a missing key.
+    sizes: list[int]
+    checksums: list[int]
+
+
+@message
+class LeaseRequest(Message):
+    keys: list[str]
+
+
+@message
+class LeaseReply(Message):
+    # shm: offsets into the node's segment, valid until `deadline` (CLOCK_MONOTONIC, seconds).
+    offsets: list[int]       # -1 = missing
+    sizes: list[int]
+    checksums: list[int]
+    deadline: float
+
+
+@message
+class WriteRequest(Message):
+    keys: list[str]          # one payload frame per key
+    checksums: list[int]
+
+
+@message
+class WriteReply(Message):
+    ok: list[bool]
+
+
+@message
+class ReserveRequest(Message):
+    keys: list[str]
+    sizes: list[int]
+
+
+@message
+class ReserveReply(Message):
+    offsets: list[int]       # -1 = no room; -2 = already stored (nothing to write)
+    deadline: float          # commit before this (CLOCK_MONOTONIC)
+
+
+@message
+class CommitRequest(Message):
+    keys: list[str]
+    checksums: list[int]
+
+
+@message
+class CommitReply(Message):
+    ok: list[bool]
+
+
+@message
+class ClearRequest(Message):
+    prefix: str              # "" clears everything
+
+
+@message
+class ClearReply(Message):
+    removed: int
+
+
+@message
+class NodeStatsRequest(Message):
+    pass
+
+
+# ---------------------------------------------------------------- shared records
+
+@dataclass
+class NodeInfo:
+    """What a node tells the master about itself, and what clients need to reach it."""
+    node_id: str
+    address: str             # tcp://host:port of its data plane
+    host: str                # machine identity (hostname + boot id) for same-host shm
+    shm_path: str            # the DRAM segment file, mappable by same-host clients
+    capacity: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeInfo":
+        try:
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"bad node record: {exc}") from None
+
+
+# ---------------------------------------------------------------- encode / decode
+
+def encode(msg: Message, req_id: int = 0, token: str = "", payload: Optional[list] = None) -> list:
+    """Frames for ``msg``: the msgpack header, then the payload buffers untouched."""
+    values = [getattr(msg, name) for name in msg._fields]
+    header = msgpack.packb([VERSION, msg.TYPE, req_id, token, values], use_bin_type=True)
+    return [header] + list(payload or ())
+
+
+def decode_header(frame) -> tuple[str, int, str, list]:
+    """(type_name, req_id, token, values) of a header frame, checking version and shape."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        doc = msgpack.unpackb(buf, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(doc, list) or len(doc) != 5:
+        raise ProtocolError("header must be [version, type, request_id, token, fields]")
+    version, type_name, req_id, token, values = doc
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {VERSION})",
+                            code="bad_version")
+    if not isinstance(type_name, str) or not isinstance(req_id, int) or not isinstance(token, str) \
+            or not isinstance(values, list):
+        raise ProtocolError("header fields have wrong types")
+    return type_name, req_id, token, values
+
+
+def build(type_name: str, values: list) -> Message:
+    """The message object for a decoded header; checks the type name and field types."""
+    cls = _REGISTRY.get(type_name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name!r}", code="unknown_type")
+    if len(values) != len(cls._fields):
+        raise ProtocolError(f"{type_name}: expected {len(cls._fields)} fields "
+                            f"({', '.join(cls._fields)}), got {len(values)}")
+    for name, value in zip(cls._fields, values):
+        if not _matches(value, cls._hints[name]):
+            raise ProtocolError(f"{type_name}.{name}: expected {cls._hints[name]}, got {type(value).__name__}")
+    return cls(*values)
+
+
+def decode(frames: list) -> tuple[Message, int, str, list]:
+    """(message, req_id, token, payload frames) from a multipart message without identity."""
+    if not frames:
+        raise ProtocolError("empty message")
+    type_name, req_id, token, values = decode_header(frames[0])
+    return build(type_name, values), req_id, token, list(frames[1:])
+
+
+def raise_if_error(msg: Message) -> Message:
+    """Turn an ErrorReply into RemoteError; pass any other message through."""
+    if isinstance(msg, ErrorReply):
+        raise RemoteError(msg.code, msg.message)
+    return msg
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union:
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        (item,) = typing.get_args(hint) or (Any,)
+        return item is Any or all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (list, dict, str, bool):
+        return isinstance(value, hint)
+    return True

@@ -1,0 +1,178 @@
+"""Request/reply plumbing over ZeroMQ shared by the master, the nodes and the client.
+
+``Service``: the stable side. A ROUTER bound to one address, one thread, every receive under a
+poll timeout, a ``tick`` hook for timers, dispatch to ``on_<Verb>Request`` methods. Malformed
+frames, unknown types, wrong versions and bad tokens get an ``ErrorReply``; the loop keeps going.
+
+``Channel``: the volatile side (Lazy Pirate). A DEALER that tags each request with an id, waits
+for the matching reply under a deadline, and on a timeout closes and reconnects, so a restarted
+server is picked up and stale replies are dropped. Not thread-safe: one per thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from . import protocol as P
+from .errors import ProtocolError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+# Replies are sent immediately or deferred; a handler returns one of these.
+Reply = Optional[tuple[P.Message, list]]
+
+
+class Service:
+    """A ROUTER service loop. Subclasses define ``on_<Verb>Request(msg, payload, ident)``."""
+
+    poll_ms = 50  # wakes the loop at least this often for tick() and the stop flag
+
+    def __init__(self, bind: str, token: str = "", name: str = "service"):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if bind.endswith(":0"):
+            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            bind = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.sock.bind(bind)
+        self.address = bind
+        self.token = token
+        self.name = name
+        self.stopping = threading.Event()
+        self._extra: list[tuple[zmq.Socket, Callable[[], None]]] = []
+
+    def add_socket(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
+        """Poll another socket in the same loop (the node's channel to the master)."""
+        self._extra.append((sock, on_readable))
+
+    def tick(self, now: float) -> None:
+        """Called every loop turn; timers live here."""
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for sock, _ in self._extra:
+            poller.register(sock, zmq.POLLIN)
+        log.info("%s listening on %s", self.name, self.address)
+        while not self.stopping.is_set():
+            try:
+                events = dict(poller.poll(self.poll_ms))
+                if self.sock in events:
+                    self._serve_one()
+                for sock, handler in self._extra:
+                    if sock in events:
+                        handler()
+                self.tick(time.monotonic())
+            except zmq.ContextTerminated:
+                break
+            except Exception:  # a bug in one request must not stop the service
+                log.exception("%s: unexpected error in the loop", self.name)
+                time.sleep(0.01)
+        self.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        for sock, _ in self._extra:
+            sock.close(0)
+        self.ctx.term()
+
+    def reply(self, ident: bytes, req_id: int, msg: P.Message, payload: Optional[list] = None) -> None:
+        self.sock.send_multipart([ident] + P.encode(msg, req_id, payload=payload), copy=False)
+
+    def _serve_one(self) -> None:
+        frames = self.sock.recv_multipart(copy=False)
+        ident = frames[0].bytes
+        req_id = 0
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("message has no header frame")
+            type_name, req_id, token, values = P.decode_header(frames[1])
+            if self.token and token != self.token:
+                self.reply(ident, req_id, P.ErrorReply("bad_token", "missing or wrong token"))
+                return
+            msg = P.build(type_name, values)
+            handler = getattr(self, "on_" + type_name, None)
+            if handler is None or not type_name.endswith("Request"):
+                raise ProtocolError(f"{self.name} does not serve {type_name}", code="unknown_type")
+            out = handler(msg, frames[2:], ident, req_id)
+        except ProtocolError as exc:
+            log.warning("%s: rejected request: %s", self.name, exc)
+            self.reply(ident, req_id, P.ErrorReply(exc.code, str(exc)))
+            return
+        except Exception as exc:
+            log.exception("%s: request failed", self.name)
+            self.reply(ident, req_id, P.ErrorReply("internal", f"{type(exc).__name__}: {exc}"))
+            return
+        if out is not None:
+            msg, payload = out
+            self.reply(ident, req_id, msg, payload)
+
+
+_ids = itertools.count(1)
+
+
+class Channel:
+    """One DEALER connection with request ids, deadlines and reconnect-on-timeout."""
+
+    def __init__(self, ctx: zmq.Context, address: str, token: str = ""):
+        self.ctx = ctx
+        self.address = address
+        self.token = token
+        self.sock: Optional[zmq.Socket] = None
+
+    def _connect(self) -> zmq.Socket:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.address)
+        return self.sock
+
+    def send(self, msg: P.Message, payload: Optional[list] = None) -> int:
+        """Send without waiting; returns the request id to pass to ``recv``."""
+        req_id = next(_ids)
+        self._connect().send_multipart(P.encode(msg, req_id, self.token, payload), copy=False)
+        return req_id
+
+    def recv(self, req_id: int, deadline: float) -> tuple[P.Message, list]:
+        """The reply to ``req_id``, or StoreUnavailable at ``deadline`` (monotonic seconds)."""
+        sock = self._connect()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self.reset()
+                raise StoreUnavailable(f"no reply from {self.address} in time")
+            frames = sock.recv_multipart(copy=False)
+            try:
+                msg, rid, _, payload = P.decode(frames)
+            except ProtocolError as exc:
+                log.warning("bad reply from %s: %s", self.address, exc)
+                continue
+            if rid == req_id:
+                return msg, payload
+            # a late reply to a request that already timed out: drop it
+
+    def call(self, msg: P.Message, timeout_s: float, payload: Optional[list] = None) -> tuple[P.Message, list]:
+        """Send and wait; ErrorReply becomes RemoteError."""
+        rid = self.send(msg, payload)
+        reply, frames = self.recv(rid, time.monotonic() + timeout_s)
+        P.raise_if_error(reply)
+        return reply, frames
+
+    def reset(self) -> None:
+        """Drop the socket (and anything queued on it); the next call reconnects."""
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+    def close(self) -> None:
+        self.reset()

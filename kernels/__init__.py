@@ -1,0 +1,1 @@
+"""Triton pack/unpack kernels for SGLang paged KV layouts (installed as hicache_mc.kernels)."""
