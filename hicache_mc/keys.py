@@ -31,6 +31,7 @@ class KVNamespace:
     pp_rank: int = 0
     attn_cp_rank: int = 0
     tenant: str = ""
+    attn_cp_size: int = 1         # a CP rank holds a slice of a page whose shape depends on the size
 
     def digest(self) -> str:
         fields = asdict(self)

@@ -1,1 +1,4 @@
-"""client"""
+"""The client: StoreClient."""
+from .client import StoreClient
+
+__all__ = ["StoreClient"]

@@ -19,12 +19,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from ..transport.shm import MAGIC
 from .allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
-MAGIC = b"HICACHEMC-SEG-1\0"
 
 
 @dataclass

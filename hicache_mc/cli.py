@@ -1,0 +1,184 @@
+"""``hicache-mc``: serve | master | node | stats | clear | demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Optional
+
+from .config import DEFAULT_MASTER, ClientConfig, MasterConfig, NodeConfig, load_config
+from .errors import ConfigError
+
+log = logging.getLogger("hicache_mc")
+
+
+def _master_config(args) -> MasterConfig:
+    return load_config(MasterConfig, file=args.config, section="master", host=args.host,
+                       port=args.port, token=args.token)
+
+
+def _node_config(args, master: Optional[str] = None) -> NodeConfig:
+    return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
+                       host=args.host, port=args.node_port, dram=args.dram, token=args.token,
+                       node_id=args.node_id)
+
+
+def run_services(services) -> None:
+    """Run each service loop in a thread until Ctrl-C / SIGTERM, then stop them all."""
+    threads = [threading.Thread(target=s.serve_forever, name=s.name, daemon=True) for s in services]
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for t in threads:
+        t.start()
+    while not stop.wait(0.2):
+        if not all(t.is_alive() for t in threads):
+            log.error("a service loop ended unexpectedly")
+            break
+    for s in reversed(services):
+        s.stop()
+    for t in threads:
+        t.join(timeout=5)
+    log.info("stopped")
+
+
+def cmd_serve(args) -> int:
+    from .master.service import MasterService
+    from .node.service import StorageNode
+    mcfg = _master_config(args)
+    master = MasterService(mcfg)
+    node = StorageNode(_node_config(args, master=f"tcp://127.0.0.1:{mcfg.port}"
+                                    if mcfg.host in ("0.0.0.0", "127.0.0.1") else f"tcp://{mcfg.host}:{mcfg.port}"))
+    log.info("hicache-mc serving: master %s, node %s (%d MiB DRAM, segment %s)",
+             master.address, node.address, node.config.dram >> 20, node.info.shm_path)
+    run_services([master, node])
+    return 0
+
+
+def cmd_master(args) -> int:
+    from .master.service import MasterService
+    run_services([MasterService(_master_config(args))])
+    return 0
+
+
+def cmd_node(args) -> int:
+    from .node.service import StorageNode
+    node = StorageNode(_node_config(args))
+    log.info("node %s on %s, master %s", node.node_id, node.address, node.config.master)
+    run_services([node])
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from .client import StoreClient
+    with StoreClient(args.master, timeout_s=args.timeout, circuit_failures=1, token=args.token) as c:
+        stats = c.stats()["cluster"]
+    if stats is None:
+        print(f"no answer from the master at {args.master}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(f"master epoch {stats['epoch']}: {stats['keys']} keys, {len(stats['nodes'])} nodes, "
+          f"{_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used")
+    print(f"lookups: {stats['hits']} hits, {stats['misses']} misses; placed {stats['placed']}, "
+          f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}")
+    print(f"{'node':<24}{'address':<28}{'objects':>10}{'used MiB':>10}{'cap MiB':>10}{'evictions':>11}")
+    for n in stats["nodes"]:
+        print(f"{n['node_id']:<24}{n['address']:<28}{n.get('objects', 0):>10}"
+              f"{_mib(n.get('used', 0)):>10}{_mib(n['capacity']):>10}{n.get('evictions', 0):>11}")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from .client import StoreClient
+    with StoreClient(args.master, timeout_s=args.timeout, token=args.token) as c:
+        print(f"removed {c.clear(args.prefix)} objects")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(dram=args.dram or "2GiB", requests=args.requests, pages=args.pages)
+
+
+def _mib(n) -> int:
+    return int(n) >> 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp, master=False):
+        sp.add_argument("--config", help="TOML or JSON config file ([master] / [node] sections)")
+        sp.add_argument("--token", help="shared secret required on every request")
+        if master:
+            sp.add_argument("--master", default=DEFAULT_MASTER, help="master address")
+
+    s = sub.add_parser("serve", help="master + one node in one process (the embedded default)")
+    common(s)
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="master port (default 7370)")
+    s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
+    s.add_argument("--node-id")
+    s.add_argument("--dram", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("master", help="run a master")
+    common(s)
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.set_defaults(fn=cmd_master)
+
+    s = sub.add_parser("node", help="run a storage node")
+    common(s, master=True)
+    s.add_argument("--host")
+    s.add_argument("--node-port", "--port", dest="node_port", type=int)
+    s.add_argument("--node-id")
+    s.add_argument("--dram")
+    s.set_defaults(fn=cmd_node)
+
+    s = sub.add_parser("stats", help="cluster stats")
+    common(s, master=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=3.0)
+    s.set_defaults(fn=cmd_stats)
+
+    s = sub.add_parser("clear", help="remove keys (all, or those under a prefix)")
+    common(s, master=True)
+    s.add_argument("--prefix", "--namespace", dest="prefix", default="")
+    s.add_argument("--timeout", type=float, default=10.0)
+    s.set_defaults(fn=cmd_clear)
+
+    s = sub.add_parser("demo", help="start an embedded store and push a KV-page stream through it")
+    s.add_argument("--dram", help="DRAM tier of the embedded node (default 2GiB)")
+    s.add_argument("--requests", type=int, default=16)
+    s.add_argument("--pages", type=int, default=32, help="pages per request")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"hicache-mc: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""StoreClient: batch exists / get / put against a hicache-mc cluster.
+
+Thread-safe: each thread gets its own sockets (ZeroMQ sockets are not thread-safe); the
+transports, the node table and the counters are shared. Every call runs under one deadline.
+Store failures never raise: they are misses (get/exists) or False (put). After
+``circuit_failures`` failures in a row the circuit opens and calls answer misses at once for
+``circuit_open_s``; the next call after that is a probe, and a success closes the circuit.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import numpy as np
+import zmq
+
+from .. import protocol as P
+from ..config import ClientConfig, load_config
+from ..errors import HicacheError
+from ..rpc import Channel
+from ..transport.base import ChecksumCounter, Transport, checksum_at
+from ..transport.shm import ShmTransport, host_identity
+from ..transport.tcp import TcpTransport
+
+log = logging.getLogger(__name__)
+
+
+class Circuit:
+    """Consecutive-failure breaker shared by all threads of one client."""
+
+    def __init__(self, failures: int, open_s: float):
+        self.limit, self.open_s = failures, open_s
+        self.failures, self.open_until, self.opens = 0, 0.0, 0
+        self.lock = threading.Lock()
+
+    def allow(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    def ok(self) -> None:
+        with self.lock:
+            if self.failures >= self.limit:
+                log.info("store reachable again; circuit closed")
+            self.failures = 0
+
+    def fail(self, exc: Exception) -> None:
+        with self.lock:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("store call failed: %s", exc)
+            if self.failures >= self.limit:
+                if self.failures == self.limit:
+                    log.warning("%d failures in a row: answering misses for %.1fs", self.limit, self.open_s)
+                    self.opens += 1
+                self.open_until = time.monotonic() + self.open_s
+
+
+class StoreClient:
+    """A client of one hicache-mc cluster. ``StoreClient(master=..., **ClientConfig fields)``."""
+
+    def __init__(self, master: Optional[str] = None, *, config: Optional[ClientConfig] = None,
+                 config_file: Optional[str] = None, **options):
+        self.config = config or load_config(ClientConfig, file=config_file, section="client",
+                                            master=master, **options)
+        self.ctx = zmq.Context()
+        self._local = threading.local()
+        self._channels: list[Channel] = []
+        self._channels_lock = threading.Lock()
+        self._nodes: dict[str, P.NodeInfo] = {}
+        self.host = host_identity()
+        self.checks = ChecksumCounter()
+        verify = self.config.verify_checksums
+        self.tcp = TcpTransport(self._channel, self.checks, verify)
+        self.shm = ShmTransport(self._channel, self.checks, verify)
+        self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
+        self.counters = defaultdict(int)
+        self._closed = False
+
+    # -------------------------------------------------------------- plumbing
+
+    def _channel(self, address: str) -> Channel:
+        chans = getattr(self._local, "chans", None)
+        if chans is None:
+            chans = self._local.chans = {}
+        ch = chans.get(address)
+        if ch is None:
+            ch = chans[address] = Channel(self.ctx, address, self.config.token)
+            with self._channels_lock:
+                self._channels.append(ch)
+        return ch
+
+    def _master(self, msg: P.Message, deadline: float) -> P.Message:
+        ch = self._channel(self.config.master)
+        reply, _ = ch.recv(ch.send(msg), deadline)
+        return P.raise_if_error(reply)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.timeout_s
+
+    def _learn(self, nodes: dict) -> None:
+        for node_id, d in nodes.items():
+            self._nodes[node_id] = P.NodeInfo.from_dict(d)
+
+    def transport_for(self, node: P.NodeInfo) -> Transport:
+        """shm for a node on this host whose segment maps; else tcp (or as configured)."""
+        if self.config.transport != "tcp" and node.host == self.host and self.shm.segment(node):
+            return self.shm
+        if self.config.transport == "shm" and not getattr(self, "_warned_shm", False):
+            self._warned_shm = True
+            log.warning("transport=shm but node %s is not mappable from here; using tcp", node.node_id)
+        return self.tcp
+
+    def _guard(self, fn, miss):
+        """Run ``fn`` unless the circuit is open; failures become ``miss``."""
+        if self._closed:
+            raise HicacheError("StoreClient is closed")
+        if not self.circuit.allow():
+            self.counters["circuit_rejects"] += 1
+            return miss
+        try:
+            result = fn()
+        except (HicacheError, zmq.ZMQError, OSError) as exc:
+            self.counters["errors"] += 1
+            self.circuit.fail(exc)
+            return miss
+        self.circuit.ok()
+        return result
+
+    # -------------------------------------------------------------- batch API
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many keys, from the first, are stored (0 when the store is unreachable)."""
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        return self._guard(lambda: self._master(P.ExistsRequest(keys), self._deadline()).count, 0)
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        """Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes). False = miss."""
+        keys, ptrs, sizes = _check_batch(keys, ptrs, sizes)
+        n = len(keys)
+        result = self._guard(lambda: self._get(keys, ptrs, sizes), [False] * n)
+        hits = sum(result)
+        self.counters["get_keys"] += n
+        self.counters["get_hits"] += hits
+        self.counters["bytes_read"] += sum(s for s, ok in zip(sizes, result) if ok)
+        return result
+
+    def _get(self, keys, ptrs, sizes) -> list[bool]:
+        if not keys:
+            return []
+        deadline = self._deadline()
+        located = self._master(P.LocateRequest(keys), deadline)
+        self._learn(located.nodes)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, (node_id, size, _) in enumerate(located.entries):
+            if size == sizes[i]:
+                by_node[node_id].append(i)
+        result = [False] * len(keys)
+        for node_id, idx in by_node.items():
+            node = self._nodes[node_id]
+            ok = self.transport_for(node).read(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
+                                               [sizes[i] for i in idx], deadline)
+            for i, good in zip(idx, ok):
+                result[i] = good
+        return result
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        """Store each object from ``ptrs[i]``; True once visible to every client (or already stored)."""
+        keys, ptrs, sizes = _check_batch(keys, ptrs, sizes)
+        n = len(keys)
+        result = self._guard(lambda: self._put(keys, ptrs, sizes), [False] * n)
+        self.counters["put_keys"] += n
+        self.counters["put_ok"] += sum(result)
+        return result
+
+    def _put(self, keys, ptrs, sizes) -> list[bool]:
+        if not keys:
+            return []
+        deadline = self._deadline()
+        placed = self._master(P.PlaceRequest(keys, sizes, self.host), deadline)
+        self._learn(placed.nodes)
+        result = [t is None for t in placed.targets]      # None: already stored
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, target in enumerate(placed.targets):
+            if target:
+                by_node[target].append(i)
+        for node_id, idx in by_node.items():
+            node = self._nodes[node_id]
+            sub_ptrs, sub_sizes = [ptrs[i] for i in idx], [sizes[i] for i in idx]
+            sums = [checksum_at(p, s) for p, s in zip(sub_ptrs, sub_sizes)]
+            ok = self.transport_for(node).write(node, [keys[i] for i in idx], sub_ptrs, sub_sizes,
+                                                sums, deadline)
+            for i, good in zip(idx, ok):
+                result[i] = good
+            self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
+        return result
+
+    # -------------------------------------------------------------- single-key API
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def put(self, key: str, data) -> bool:
+        """Store ``data`` (bytes-like) under ``key``."""
+        arr = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        return self.batch_put_from([key], [arr.ctypes.data], [arr.nbytes])[0]
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The object's bytes, or None on a miss."""
+        def locate():
+            entries = self._master(P.LocateRequest([key]), self._deadline()).entries
+            return entries[0][1] if entries else -1
+        size = self._guard(locate, -1)
+        if size < 0:
+            return None
+        buf = np.empty(size, dtype=np.uint8)
+        ok = self.batch_get_into([key], [buf.ctypes.data], [size])[0]
+        return buf.tobytes() if ok else None
+
+    # -------------------------------------------------------------- admin
+
+    def clear(self, prefix: str = "") -> int:
+        """Remove every key starting with ``prefix`` from every node; returns how many."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+
+        def run():
+            deadline = self._deadline()
+            removed = 0
+            for node in self._master(P.StatsRequest(), deadline).stats["nodes"]:
+                ch = self._channel(node["address"])
+                reply, _ = ch.recv(ch.send(P.ClearRequest(prefix)), deadline)
+                removed += P.raise_if_error(reply).removed
+            return removed
+        return self._guard(run, 0)
+
+    def stats(self) -> dict:
+        """Cluster stats from the master plus this client's own counters."""
+        cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
+        own = dict(self.counters, checksum_failures=self.checks.failures,
+                   circuit_opens=self.circuit.opens)
+        return {"cluster": cluster, "client": own}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._channels_lock:
+            for ch in self._channels:
+                ch.close()
+            self._channels.clear()
+        self.shm.close()
+        self.ctx.term()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"keys must be non-empty strings, got {k!r}")
+    return keys
+
+
+def _check_batch(keys, ptrs, sizes):
+    keys, ptrs, sizes = _check_keys(keys), list(ptrs), list(sizes)
+    if not len(keys) == len(ptrs) == len(sizes):
+        raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers and {len(sizes)} sizes: lengths differ")
+    for p, s in zip(ptrs, sizes):
+        if not isinstance(p, (int, np.integer)) or not isinstance(s, (int, np.integer)) or s < 0 or (p == 0 and s > 0):
+            raise ValueError(f"bad pointer/size pair ({p!r}, {s!r})")
+    return keys, [int(p) for p in ptrs], [int(s) for s in sizes]

@@ -1,0 +1,240 @@
+"""StorageNode: the data plane (ROUTER) plus a channel to the master, in one loop.
+
+Commits are reported to the master before the writer hears back: the node sends ``Committed``
+on its DEALER and answers the client only when the master acknowledges, so a put that returns
+is visible to every client (read-your-writes). Evictions travel on the same socket after the
+commits they follow, so the master applies both in the node's order.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+import uuid
+from typing import Optional
+
+import zmq
+
+from .. import protocol as P
+from ..config import NodeConfig
+from ..rpc import Service
+from ..transport.shm import host_identity
+from .dram import DramTier
+
+log = logging.getLogger(__name__)
+
+INVENTORY_CHUNK = 4096      # keys per Committed message when re-registering
+MASTER_TIMEOUT_S = 5.0      # a commit the master has not acknowledged by then fails the put
+
+
+def remove_stale_segments(shm_dir: str) -> None:
+    """Delete segment files of node processes that died without cleaning up (SIGKILL)."""
+    for path in glob.glob(os.path.join(shm_dir, "hicache-mc-*")):
+        try:
+            pid = int(os.path.basename(path).split("-")[2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError):
+            continue
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                log.info("removed stale segment %s", path)
+            except OSError:
+                pass
+        except PermissionError:
+            continue
+
+
+class StorageNode(Service):
+    def __init__(self, config: NodeConfig):
+        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
+        self.config = config
+        self.node_id = config.node_id or f"{config.host}:{self.address.rsplit(':', 1)[1]}"
+        remove_stale_segments(config.shm_dir)
+        seg_id = uuid.uuid4().hex[:8]
+        path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
+        self.dram = DramTier(path, config.dram, seg_id, config.lease_s,
+                             config.high_watermark, config.low_watermark)
+        self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram)
+        self.master = self.ctx.socket(zmq.DEALER)
+        self.master.setsockopt(zmq.LINGER, 0)
+        self.master.connect(config.master)
+        self.add_socket(self.master, self._on_master_reply)
+        self._req = 0
+        # req_id -> (deadline, client ident, client req id, reply, reply if the master refuses)
+        self._pending: dict[int, tuple[float, bytes, int, P.Message, P.Message]] = {}
+        self.epoch: Optional[str] = None
+        self._next_heartbeat = 0.0
+        self._next_register = 0.0
+        self._last_master_reply = time.monotonic()
+        self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0, "bytes_out": 0}
+
+    # -------------------------------------------------------------- master channel
+
+    def _to_master(self, msg: P.Message, waiter: Optional[tuple] = None) -> None:
+        """Send to the master; ``waiter`` = (ident, req_id, reply, failure reply) answers a
+        client once the master acknowledges."""
+        self._req += 1
+        self.master.send_multipart(P.encode(msg, self._req, self.config.token))
+        if waiter is not None:
+            self._pending[self._req] = (time.monotonic() + MASTER_TIMEOUT_S, *waiter)
+
+    def _register(self, now: float) -> None:
+        """Announce this node and its whole inventory (the master may be new)."""
+        self._next_register = now + self.config.heartbeat_interval_s
+        self._to_master(P.RegisterRequest(self.info.to_dict()))
+        items = [(k, o.size, o.checksum) for k, o in self.dram.objects.items()]
+        for i in range(0, len(items), INVENTORY_CHUNK):
+            chunk = items[i: i + INVENTORY_CHUNK]
+            self._to_master(P.CommittedRequest(self.node_id, [c[0] for c in chunk],
+                                               [c[1] for c in chunk], [c[2] for c in chunk]))
+        log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
+
+    def _on_master_reply(self) -> None:
+        frames = self.master.recv_multipart(copy=False)
+        try:
+            msg, req_id, _, _ = P.decode(frames)
+        except Exception as exc:
+            log.warning("bad frame from the master: %s", exc)
+            return
+        self._last_master_reply = time.monotonic()
+        if isinstance(msg, P.RegisterReply):
+            self.epoch = msg.epoch
+        elif isinstance(msg, P.HeartbeatReply):
+            if not msg.known or msg.epoch != self.epoch:
+                log.info("master epoch %s (was %s): registering again", msg.epoch, self.epoch)
+                self._register(time.monotonic())
+        elif isinstance(msg, P.ErrorReply):
+            log.warning("master refused a request: %s %s", msg.code, msg.message)
+            if msg.code == "unknown_node" and time.monotonic() >= self._next_register:
+                self._register(time.monotonic())
+        waiter = self._pending.pop(req_id, None)
+        if waiter is not None:
+            _, ident, client_req, reply, failed = waiter
+            self.reply(ident, client_req, reply if isinstance(msg, P.OkReply) else failed)
+
+    def tick(self, now: float) -> None:
+        if self.epoch is None and now >= self._next_register:
+            self._register(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            if now - self._last_master_reply > 3 * self.config.heartbeat_interval_s:
+                # Lazy Pirate: a silent master may have restarted; drop queued frames, reconnect
+                self.master.disconnect(self.config.master)
+                self.master.connect(self.config.master)
+                self._last_master_reply = now
+            self._to_master(P.HeartbeatRequest(self.node_id, {**self.dram.stats(), **self.counters}))
+        self.dram.maintain(now)
+        if self.dram.dropped:
+            dropped, self.dram.dropped = self.dram.dropped, []
+            self._to_master(P.EvictedRequest(self.node_id, dropped))
+        for req_id in [r for r, w in self._pending.items() if w[0] < now]:
+            _, ident, client_req, _, failed = self._pending.pop(req_id)
+            log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)
+            self.reply(ident, client_req, failed)
+
+    # -------------------------------------------------------------- data plane
+
+    def on_ReadRequest(self, msg: P.ReadRequest, payload, ident, req_id):
+        now = time.monotonic()
+        sizes, checksums, frames = [], [], []
+        for key in msg.keys:
+            obj = self.dram.lease(key, now)   # the lease also covers zmq's zero-copy send
+            if obj is None:
+                sizes.append(-1)
+                checksums.append(0)
+                continue
+            sizes.append(obj.size)
+            checksums.append(obj.checksum)
+            frames.append(self.dram.view(obj))
+            self.counters["bytes_out"] += obj.size
+        self.counters["reads"] += len(msg.keys)
+        self.counters["read_hits"] += len(frames)
+        return P.ReadReply(sizes, checksums), frames
+
+    def on_LeaseRequest(self, msg: P.LeaseRequest, payload, ident, req_id):
+        now = time.monotonic()
+        offsets, sizes, checksums = [], [], []
+        for key in msg.keys:
+            obj = self.dram.lease(key, now)
+            offsets.append(-1 if obj is None else obj.offset)
+            sizes.append(-1 if obj is None else obj.size)
+            checksums.append(0 if obj is None else obj.checksum)
+        hits = sum(o >= 0 for o in offsets)
+        self.counters["reads"] += len(msg.keys)
+        self.counters["read_hits"] += hits
+        # the reader must be done a little before the slot could be reused
+        return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8), None
+
+    def on_WriteRequest(self, msg: P.WriteRequest, payload, ident, req_id):
+        if not len(msg.keys) == len(msg.checksums) == len(payload):
+            return P.ErrorReply("bad_request", f"Write: {len(msg.keys)} keys, {len(msg.checksums)} "
+                                f"checksums, {len(payload)} payload frames"), None
+        now = time.monotonic()
+        ok, keys, sizes, sums = [], [], [], []
+        for key, checksum, frame in zip(msg.keys, msg.checksums, payload):
+            data = frame.buffer
+            if len(data) > self.config.max_value:
+                ok.append(False)
+                continue
+            good = self.dram.write(key, data, checksum, now)
+            ok.append(good)
+            if good:  # a key already stored is reported too: the master may have lost it
+                obj = self.dram.objects[key]
+                keys.append(key)
+                sizes.append(obj.size)
+                sums.append(obj.checksum)
+                self.counters["bytes_in"] += len(data)
+        self.counters["writes"] += len(keys)
+        failed = P.WriteReply([False] * len(ok))
+        return self._commit_to_master(keys, sizes, sums, ident, req_id, P.WriteReply(ok), failed)
+
+    def on_ReserveRequest(self, msg: P.ReserveRequest, payload, ident, req_id):
+        if len(msg.keys) != len(msg.sizes):
+            return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length"), None
+        now = time.monotonic()
+        offsets = []
+        for key, size in zip(msg.keys, msg.sizes):
+            if size < 0 or size > self.config.max_value:
+                offsets.append(-1)
+            else:
+                offsets.append(self.dram.reserve(key, size, now, self.config.reserve_s))
+        return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8), None
+
+    def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
+        if len(msg.keys) != len(msg.checksums):
+            return P.ErrorReply("bad_request", "Commit: keys and checksums differ in length"), None
+        ok, keys, sizes, sums = [], [], [], []
+        for key, checksum in zip(msg.keys, msg.checksums):
+            good = self.dram.commit(key, checksum)
+            ok.append(good)
+            if good:
+                keys.append(key)
+                sizes.append(self.dram.objects[key].size)
+                sums.append(checksum)
+                self.counters["bytes_in"] += sizes[-1]
+        self.counters["writes"] += len(keys)
+        return self._commit_to_master(keys, sizes, sums, ident, req_id, P.CommitReply(ok),
+                                      P.CommitReply([False] * len(ok)))
+
+    def _commit_to_master(self, keys, sizes, sums, ident, req_id, reply, failed):
+        if not keys:
+            return reply, None
+        self._to_master(P.CommittedRequest(self.node_id, keys, sizes, sums), (ident, req_id, reply, failed))
+        return None  # answered when the master acknowledges
+
+    def on_ClearRequest(self, msg: P.ClearRequest, payload, ident, req_id):
+        gone = self.dram.clear(msg.prefix, time.monotonic())
+        if not gone:
+            return P.ClearReply(0), None
+        failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
+        self._to_master(P.EvictedRequest(self.node_id, gone), (ident, req_id, P.ClearReply(len(gone)), failed))
+        return None
+
+    def on_NodeStatsRequest(self, msg, payload, ident, req_id):
+        return P.StatsReply({"node_id": self.node_id, **self.dram.stats(), **self.counters}), None
+
+    def close(self) -> None:
+        super().close()
+        self.dram.close()

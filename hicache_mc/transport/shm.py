@@ -1,0 +1,131 @@
+"""ShmTransport: same-host clients map the node's DRAM segment and copy directly.
+
+get: ``Lease`` returns offsets valid until a deadline; the client memmoves out of its own
+mapping and verifies the checksum on the copy (a slot rewritten mid-copy cannot pass).
+put: ``Reserve`` returns slots, the client memmoves in, then ``Commit`` (with the checksums it
+computed) makes the keys visible once the master has them. The node never touches the bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+from .. import protocol as P
+from ..rpc import Channel
+from .base import ChecksumCounter, Transport, checksum_at, memmove
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"HICACHEMC-SEG-1\0"   # first bytes of every segment, then the segment id
+
+
+def host_identity() -> str:
+    """Hostname plus boot id: equal only for processes that can share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}-{boot}"
+
+
+class Segment:
+    """One node's segment mapped into this process."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        seg_id = os.path.basename(path).rsplit("-", 1)[-1].encode()
+        if self.mm[: len(MAGIC) + len(seg_id)] != MAGIC + seg_id:
+            self.mm.close()
+            raise OSError(f"{path} is not the segment it claims to be")
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.size = len(self.mm)
+
+    def close(self) -> None:
+        del self._anchor
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
+                 verify: bool = True):
+        self.channel_for = channel_for
+        self.checks = checks
+        self.verify = verify
+        self._segments: dict[str, Optional[Segment]] = {}
+        self._lock = threading.Lock()
+
+    def segment(self, node: P.NodeInfo) -> Optional[Segment]:
+        """The node's mapped segment, or None when it cannot be mapped from here."""
+        with self._lock:
+            if node.shm_path not in self._segments:
+                try:
+                    self._segments[node.shm_path] = Segment(node.shm_path)
+                except (OSError, ValueError) as exc:
+                    log.info("node %s: segment not mappable (%s); using tcp", node.node_id, exc)
+                    self._segments[node.shm_path] = None
+            return self._segments[node.shm_path]
+
+    def read(self, node, keys, ptrs, sizes, deadline):
+        seg = self.segment(node)
+        ch = self.channel_for(node.address)
+        reply, _ = ch.recv(ch.send(P.LeaseRequest(keys)), deadline)
+        reply = P.raise_if_error(reply)
+        out = []
+        for key, ptr, want, off, have, expected in zip(keys, ptrs, sizes, reply.offsets,
+                                                      reply.sizes, reply.checksums):
+            if off < 0 or have != want or off + have > seg.size:
+                out.append(False)
+                continue
+            memmove(ptr, seg.base + off, have)
+            ok = not self.verify or self.checks.check(key, expected, checksum_at(ptr, have))
+            out.append(ok)
+        if time.monotonic() > reply.deadline:   # too slow: the slots may have been reused
+            log.warning("shm read of %d objects outlived its lease; treated as misses", len(keys))
+            return [False] * len(keys)
+        return out
+
+    def write(self, node, keys, ptrs, sizes, checksums, deadline):
+        seg = self.segment(node)
+        ch = self.channel_for(node.address)
+        reply, _ = ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)
+        reply = P.raise_if_error(reply)
+        done = [off == -2 for off in reply.offsets]      # already stored on this node
+        commit_keys, commit_sums, where = [], [], []
+        for i, (key, ptr, size, off) in enumerate(zip(keys, ptrs, sizes, reply.offsets)):
+            if off >= 0 and off + size <= seg.size:
+                memmove(seg.base + off, ptr, size)
+                commit_keys.append(key)
+                commit_sums.append(checksums[i])
+                where.append(i)
+        if time.monotonic() > reply.deadline:
+            log.warning("shm write outlived its reservation; not committing %d objects", len(where))
+            return done
+        if commit_keys:
+            reply, _ = ch.recv(ch.send(P.CommitRequest(commit_keys, commit_sums)), deadline)
+            for i, ok in zip(where, P.raise_if_error(reply).ok):
+                done[i] = ok
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in self._segments.values():
+                if seg is not None:
+                    seg.close()
+            self._segments.clear()

@@ -1,0 +1,46 @@
+"""Shared fixtures: real store processes on 127.0.0.1, always stopped afterwards."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from procs import Cluster  # noqa: E402
+
+
+class Store:
+    """An embedded store (``hicache-mc serve``) that a test can stop and start again."""
+
+    def __init__(self, tmp_path, dram: str = "256MiB"):
+        self.cluster = Cluster(tmp_path)
+        self.dram = dram
+        self.master = self.cluster.master
+
+    def start(self) -> "Store":
+        self.cluster.start_serve(self.dram)
+        return self
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+    def kill(self) -> None:
+        self.cluster.serve_proc.kill()
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A running ``hicache-mc serve`` (256 MiB DRAM) on a free port; ``.master`` is its address."""
+    s = Store(tmp_path).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """An empty Cluster: start a master and nodes as separate processes as the test needs."""
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()

@@ -1,0 +1,124 @@
+"""Round trips through a real embedded store, both transports; leading-run exists; sharing."""
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from hicache_mc.client import StoreClient
+
+SIZES = [1 << 10, 64 << 10, 1 << 20, 8 << 20]
+
+
+def payload(key: str, size: int) -> np.ndarray:
+    """Content derived from the key, so a wrong object is detected."""
+    seed = abs(hash(key)) % (1 << 32)
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_round_trip_sizes(store, transport):
+    with StoreClient(store.master, transport=transport) as c:
+        keys = [f"rt-{transport}/{s}" for s in SIZES]
+        srcs = [payload(k, s) for k, s in zip(keys, SIZES)]
+        assert c.batch_put_from(keys, [a.ctypes.data for a in srcs], SIZES) == [True] * 4
+        dsts = [np.zeros(s, dtype=np.uint8) for s in SIZES]
+        assert c.batch_get_into(keys, [a.ctypes.data for a in dsts], SIZES) == [True] * 4
+        for a, b in zip(srcs, dsts):
+            assert np.array_equal(a, b)
+        # single-key API
+        assert c.put(f"rt-{transport}/bytes", b"x" * 4097)
+        assert c.get(f"rt-{transport}/bytes") == b"x" * 4097
+        assert c.get(f"rt-{transport}/absent") is None
+
+
+def test_transports_read_each_others_writes(store):
+    with StoreClient(store.master, transport="shm") as shm, StoreClient(store.master, transport="tcp") as tcp:
+        a = payload("x/1", 300_000)
+        assert shm.put("x/1", a)
+        assert tcp.get("x/1") == a.tobytes()
+        assert tcp.put("x/2", a[:1000])
+        assert shm.get("x/2") == a[:1000].tobytes()
+
+
+def test_exists_counts_leading_run(store):
+    with StoreClient(store.master) as c:
+        for k in ["e/a", "e/b", "e/d"]:
+            assert c.put(k, b"1234")
+        assert c.batch_exists(["e/a", "e/b", "e/c", "e/d"]) == 2
+        assert c.batch_exists(["e/c", "e/a"]) == 0
+        assert c.batch_exists(["e/a", "e/b", "e/d"]) == 3
+        assert c.batch_exists([]) == 0
+        assert c.exists("e/d") and not c.exists("e/c")
+
+
+def test_get_with_wrong_size_is_a_miss(store):
+    with StoreClient(store.master) as c:
+        assert c.put("ws/a", b"abcd")
+        buf = np.zeros(8, dtype=np.uint8)
+        assert c.batch_get_into(["ws/a"], [buf.ctypes.data], [8]) == [False]
+        assert not buf.any()
+
+
+def test_put_of_stored_key_is_success_without_rewrite(store):
+    with StoreClient(store.master) as c:
+        assert c.put("dup/a", b"first")
+        assert c.put("dup/a", b"other")           # already stored: success, nothing rewritten
+        assert c.get("dup/a") == b"first"
+        st = c.stats()["cluster"]
+        assert st["deduplicated"] >= 1
+
+
+def test_bad_arguments_raise_clearly(store):
+    with StoreClient(store.master) as c:
+        with pytest.raises(ValueError, match="lengths differ"):
+            c.batch_put_from(["a"], [1, 2], [1])
+        with pytest.raises(ValueError, match="non-empty strings"):
+            c.batch_exists(["", "b"])
+
+
+def test_two_processes_see_each_others_puts(store):
+    script = textwrap.dedent(f"""
+        from hicache_mc.client import StoreClient
+        with StoreClient({store.master!r}) as c:
+            assert c.put("proc/shared", b"from-the-other-process" * 100)
+            print(c.get("proc/mine").decode())
+    """)
+    with StoreClient(store.master) as c:
+        assert c.put("proc/mine", b"hello-from-the-test")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "hello-from-the-test"
+        assert c.get("proc/shared") == b"from-the-other-process" * 100
+
+
+def test_clear_by_prefix(store):
+    with StoreClient(store.master) as c:
+        for k in ["ns1/a", "ns1/b", "ns2/a"]:
+            assert c.put(k, b"v")
+        assert c.clear("ns1/") == 2
+        assert not c.exists("ns1/a") and not c.exists("ns1/b")
+        assert c.get("ns2/a") == b"v"
+
+
+def test_threads_share_one_client(store):
+    import threading
+    errors = []
+    with StoreClient(store.master) as c:
+        def work(t):
+            try:
+                for i in range(20):
+                    k = f"th/{t}/{i}"
+                    data = payload(k, 10_000 + i)
+                    assert c.put(k, data)
+                    assert c.get(k) == data.tobytes()
+                    assert c.batch_exists([k]) == 1
+            except Exception as exc:  # collected and asserted below
+                errors.append(exc)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors

@@ -1,0 +1,143 @@
+"""Real store processes on 127.0.0.1 for tests: master, nodes, or the embedded ``serve``."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import zmq
+
+from hicache_mc import protocol as P
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "") -> Optional[P.Message]:
+    """One raw request; None when nothing answers in time."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(P.encode(msg, 1, token))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return P.decode(sock.recv_multipart())[0]
+    finally:
+        sock.close()
+
+
+class Proc:
+    """One ``hicache-mc`` subprocess; its log goes to a file for post-mortems."""
+
+    def __init__(self, args: list[str], log_path: str, env: Optional[dict] = None):
+        self.args = args
+        self.log_path = log_path
+        self.env = env
+        self.p: Optional[subprocess.Popen] = None
+
+    def start(self) -> "Proc":
+        log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        self.p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", *self.args],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        return self
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.p and self.p.poll() is None:
+            self.p.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                self.p.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    @property
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+class Cluster:
+    """A master and any number of nodes as separate processes (or one ``serve``)."""
+
+    def __init__(self, tmp_path, heartbeat_s: float = 0.2, liveness: int = 3, token: str = ""):
+        self.tmp = tmp_path
+        self.port = free_port()
+        self.master = f"tcp://127.0.0.1:{self.port}"
+        self.env = {"HICACHE_MC_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
+                    "HICACHE_MC_LIVENESS": str(liveness)}
+        if token:
+            self.env["HICACHE_MC_TOKEN"] = token
+        self.token = token
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.master_proc: Optional[Proc] = None
+        self.nodes: list[Proc] = []
+        self.serve_proc: Optional[Proc] = None
+
+    def _proc(self, name: str, args: list[str]) -> Proc:
+        return Proc(args, str(self.tmp / f"{name}.log"), self.env)
+
+    def start_serve(self, dram: str = "256MiB") -> "Cluster":
+        self.serve_proc = self._proc("serve", ["serve", "--port", str(self.port), "--dram", dram]).start()
+        self.wait_nodes(1)
+        return self
+
+    def start_master(self) -> Proc:
+        self.master_proc = self._proc("master", ["master", "--port", str(self.port)]).start()
+        return self.master_proc
+
+    def add_node(self, dram: str = "256MiB", port: Optional[int] = None) -> Proc:
+        port = port or free_port()
+        node = self._proc(f"node{len(self.nodes)}", ["node", "--master", self.master,
+                                                      "--node-port", str(port), "--dram", dram]).start()
+        node.port = port
+        node.address = f"tcp://127.0.0.1:{port}"
+        self.nodes.append(node)
+        return node
+
+    def stats(self, timeout_s: float = 2.0) -> Optional[dict]:
+        reply = request(self.master, P.StatsRequest(), timeout_s, self.token)
+        return reply.stats if isinstance(reply, P.StatsReply) else None
+
+    def wait_nodes(self, n: int, timeout_s: float = 20.0) -> dict:
+        """Wait until the master lists exactly ``n`` live nodes."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            st = self.stats(0.5)
+            if st is not None and len(st["nodes"]) == n:
+                return st
+            time.sleep(0.05)
+        raise TimeoutError(f"master did not see {n} nodes in {timeout_s}s; logs:\n{self.logs()}")
+
+    def wait_keys(self, n: int, timeout_s: float = 20.0) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            st = self.stats(0.5)
+            if st is not None and st["keys"] == n:
+                return st
+            time.sleep(0.05)
+        raise TimeoutError(f"master did not reach {n} keys in {timeout_s}s")
+
+    def procs(self) -> list[Proc]:
+        return [p for p in [self.serve_proc, self.master_proc, *self.nodes] if p is not None]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.log_path}\n{p.log()[-3000:]}" for p in self.procs())
+
+    def stop(self) -> None:
+        for p in self.procs():
+            p.stop()
