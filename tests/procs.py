@@ -132,6 +132,16 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(f"master did not reach {n} keys in {timeout_s}s")
 
+    def wait_objects(self, n: int, timeout_s: float = 20.0) -> dict:
+        """Wait until the nodes' heartbeats report ``n`` objects in all; returns address -> count."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            st = self.stats(0.5)
+            if st is not None and sum(x.get("objects", 0) for x in st["nodes"]) == n:
+                return {x["address"]: x["objects"] for x in st["nodes"]}
+            time.sleep(0.05)
+        raise TimeoutError(f"nodes did not report {n} objects in {timeout_s}s")
+
     def procs(self) -> list[Proc]:
         return [p for p in [self.serve_proc, self.master_proc, *self.nodes] if p is not None]
 

@@ -1,0 +1,99 @@
+"""Staged transfers for ``layer_first`` host pools (L chunks per page part).
+
+A part object is its chunks in layer order. Every chunk starts at a multiple of its own size
+within ``kv_buffer`` (slot offsets are page-aligned and the token dimension is a whole number of
+pages), so the buffer is viewed as rows of one chunk each and a whole batch is gathered with one
+``index_select`` and scattered back with one ``index_copy_``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from .layout import PageGeometry
+
+# Staging memory per calling thread (SGLang calls from its prefetch-I/O and backup threads).
+# Bounds the extra host RAM to 2 x 64 MiB while still moving >= 8 Llama-3-8B pages (8 MiB each)
+# per store round trip.
+STAGING_BYTES = 64 << 20
+
+Transfer = Callable[[list, list, list], list]   # (keys, ptrs, sizes) -> list[bool]
+
+
+class ChunkStager:
+    """Moves layer_first pages between host chunks and contiguous part objects."""
+
+    def __init__(self, kv_buffer: torch.Tensor, geometry: PageGeometry):
+        if not kv_buffer.is_contiguous():
+            raise ValueError("hicache_mc: layer_first staging needs a contiguous kv_buffer")
+        self._geo = geometry
+        self._chunk = geometry.chunk_bytes
+        nbytes = kv_buffer.numel() * kv_buffer.element_size()
+        if nbytes % self._chunk:
+            raise ValueError(f"hicache_mc: kv_buffer of {nbytes} B is not a whole number of "
+                             f"{self._chunk} B chunks")
+        self._base = kv_buffer.data_ptr()
+        self._rows = kv_buffer.view(-1).view(torch.uint8).view(-1, self._chunk)
+        self._pages_per_round = max(1, STAGING_BYTES // geometry.page_bytes)
+        self._local = threading.local()
+
+    def put(self, keys: list[str], ptrs: Sequence[int], transfer: Transfer) -> list[bool]:
+        """Gather the pages of ``ptrs`` (get_page_buffer_meta order) and store them under ``keys``."""
+        return self._rounds(keys, ptrs, transfer, store=True)
+
+    def get(self, keys: list[str], ptrs: Sequence[int], transfer: Transfer) -> list[bool]:
+        """Load ``keys`` and scatter every page whose parts all arrived into ``ptrs``."""
+        return self._rounds(keys, ptrs, transfer, store=False)
+
+    def _rounds(self, keys, ptrs, transfer, store: bool) -> list[bool]:
+        n_parts = len(self._geo.parts)
+        rows = self._row_index(ptrs)            # (pages * parts * chunks,) page, part, layer order
+        per_page = n_parts * self._geo.chunks
+        out: list[bool] = []
+        step = self._pages_per_round
+        for first in range(0, len(keys) // n_parts, step):
+            page_keys = keys[first * n_parts:(first + step) * n_parts]
+            page_rows = rows[first * per_page:(first + step) * per_page]
+            out.extend(self._round(page_keys, page_rows, transfer, store))
+        return out
+
+    def _round(self, keys, rows: torch.Tensor, transfer, store: bool) -> list[bool]:
+        staging = self._staging()[:rows.numel()]
+        part_bytes = self._geo.part_bytes[0]   # layer_first parts have equal sizes
+        ptrs = [staging.data_ptr() + i * part_bytes for i in range(len(keys))]
+        sizes = [part_bytes] * len(keys)
+        if store:
+            torch.index_select(self._rows, 0, rows, out=staging)
+            return list(transfer(keys, ptrs, sizes))
+        ok = list(transfer(keys, ptrs, sizes))
+        page_ok = _fold(ok, len(self._geo.parts))
+        good = [i for i, o in enumerate(page_ok) if o]
+        if good:
+            sel = torch.tensor(good, dtype=torch.int64)
+            per_page = len(self._geo.parts) * self._geo.chunks
+            pick = (sel[:, None] * per_page + torch.arange(per_page)).reshape(-1)
+            self._rows.index_copy_(0, rows[pick], staging[pick])
+        return ok
+
+    def _row_index(self, ptrs: Sequence[int]) -> torch.Tensor:
+        n_parts, chunks = len(self._geo.parts), self._geo.chunks
+        offs = torch.tensor(ptrs, dtype=torch.int64) - self._base
+        if bool((offs % self._chunk).any()) or bool((offs < 0).any()) or \
+                bool((offs // self._chunk >= self._rows.shape[0]).any()):
+            raise ValueError("hicache_mc: a host pointer lies outside kv_buffer's chunk grid")
+        # get_page_buffer_meta interleaves parts per layer: (page, layer, part) -> (page, part, layer)
+        return (offs // self._chunk).view(-1, chunks, n_parts).transpose(1, 2).reshape(-1)
+
+    def _staging(self) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            rows = self._pages_per_round * len(self._geo.parts) * self._geo.chunks
+            buf = self._local.buf = torch.empty((rows, self._chunk), dtype=torch.uint8)
+        return buf
+
+
+def _fold(ok: Sequence[bool], n_parts: int) -> list[bool]:
+    """Per-object results to per-page results: a page is there only if all its parts are."""
+    return [all(ok[i:i + n_parts]) for i in range(0, len(ok), n_parts)]

@@ -1,0 +1,114 @@
+"""Malformed frames, unknown types, wrong versions and bad tokens get error replies; the
+servers keep serving."""
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from hicache_mc import protocol as P
+from hicache_mc.client import StoreClient
+from procs import request
+
+
+def raw(address: str, frames: list, timeout_s: float = 2.0):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return P.decode(sock.recv_multipart())[0]
+    finally:
+        sock.close()
+
+
+def node_address(store) -> str:
+    return store.cluster.stats()["nodes"][0]["address"]
+
+
+BAD = [
+    ("garbage", [b"\xc1\xff not msgpack"], "bad_request"),
+    ("not a list", [msgpack.packb({"a": 1})], "bad_request"),
+    ("unknown type", [msgpack.packb([P.VERSION, "FrobnicateRequest", 7, "", []])], "unknown_type"),
+    ("wrong version", [msgpack.packb([99, "ExistsRequest", 7, "", [["a"]]])], "bad_version"),
+    ("wrong field count", [msgpack.packb([P.VERSION, "ExistsRequest", 7, "", []])], "bad_request"),
+    ("wrong field type", [msgpack.packb([P.VERSION, "ExistsRequest", 7, "", ["notalist"]])], "bad_request"),
+    ("reply type as request", [msgpack.packb([P.VERSION, "OkReply", 7, "", []])], "unknown_type"),
+]
+
+
+@pytest.mark.parametrize("which", ["master", "node"])
+@pytest.mark.parametrize("name,frames,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_frames_get_error_and_server_keeps_serving(store, which, name, frames, code):
+    address = store.master if which == "master" else node_address(store)
+    reply = raw(address, frames)
+    assert isinstance(reply, P.ErrorReply), reply
+    assert reply.code == code
+    with StoreClient(store.master) as c:
+        assert c.put(f"after/{which}/{name}", b"ok")
+        assert c.get(f"after/{which}/{name}") == b"ok"
+
+
+def test_empty_message_and_mismatched_write(store):
+    node = node_address(store)
+    assert isinstance(raw(node, [b""]), P.ErrorReply)
+    # two keys, one payload frame
+    reply = raw(node, P.encode(P.WriteRequest(["a", "b"], [1, 2]), 3, payload=[b"x"]))
+    assert isinstance(reply, P.ErrorReply) and "payload" in reply.message
+    with StoreClient(store.master) as c:
+        assert not c.exists("a")
+
+
+def test_oversized_reserve_is_refused(store):
+    node = node_address(store)
+    reply = request(node, P.ReserveRequest(["huge"], [1 << 40]))
+    assert isinstance(reply, P.ReserveReply) and reply.offsets == [-1]
+
+
+def test_token_required_when_configured(tmp_path):
+    from procs import Cluster
+    cl = Cluster(tmp_path, token="s3cret")
+    cl.start_master()
+    cl.add_node()
+    try:
+        cl.wait_nodes(1)
+        reply = request(cl.master, P.StatsRequest())          # no token
+        assert isinstance(reply, P.ErrorReply) and reply.code == "bad_token"
+        with StoreClient(cl.master, timeout_s=1.0) as anon:
+            assert not anon.put("t/a", b"x")
+        with StoreClient(cl.master, token="s3cret") as c:
+            assert c.put("t/a", b"x") and c.get("t/a") == b"x"
+            node = cl.stats()["nodes"][0]["address"]
+        reply = request(node, P.ReadRequest(["t/a"]))
+        assert isinstance(reply, P.ErrorReply) and reply.code == "bad_token"
+    finally:
+        cl.stop()
+
+
+def test_filling_dram_evicts_and_never_corrupts(tmp_path):
+    from conftest import Store
+    store = Store(tmp_path, dram="32MiB").start()
+    try:
+        with StoreClient(store.master) as c:
+            size = 1 << 20
+            written = []
+            for i in range(120):                   # ~4x the DRAM tier
+                k = f"fill/{i}"
+                data = np.full(size, i % 251, dtype=np.uint8)
+                if c.put(k, data):
+                    written.append(k)
+            assert len(written) > 32               # eviction made room for later puts
+            readable = 0
+            for k in written:
+                got = c.get(k)
+                if got is not None:
+                    i = int(k.split("/")[1])
+                    assert got == bytes([i % 251]) * size
+                    readable += 1
+            assert 0 < readable <= 32
+            assert c.get(written[-1]) is not None  # the newest survive
+            st = store.cluster.stats()
+            assert st["evicted"] > 0 and st["keys"] == readable
+    finally:
+        store.stop()

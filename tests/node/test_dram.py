@@ -1,0 +1,63 @@
+import pytest
+
+from hicache_mc.node.dram import DramTier
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DramTier(str(tmp_path / "seg"), 1 << 20, "abcd1234", lease_s=1.0,
+                 high_watermark=0.9, low_watermark=0.5)
+    yield t
+    t.close()
+
+
+def put(t, key, size, now, fill=1):
+    return t.write(key, memoryview(bytes([fill]) * size), checksum=fill, now=now)
+
+
+def test_write_and_lease(tier):
+    assert put(tier, "a", 1000, 0.0, fill=7)
+    obj = tier.lease("a", 0.0)
+    assert bytes(tier.view(obj)) == bytes([7]) * 1000
+    assert tier.reserve("a", 10, 0.0, 1.0) == -2       # stored: nothing to write
+    assert tier.lease("missing", 0.0) is None
+
+
+def test_lru_eviction_when_full_reports_dropped(tier):
+    for i in range(4):
+        assert put(tier, f"k{i}", 256 << 10, now=10.0 + i)
+    tier.lease("k0", 20.0)                               # k0 becomes most recent ...
+    assert put(tier, "k4", 256 << 10, now=30.0)          # ... so k1 is evicted, not k0
+    assert "k1" in tier.dropped and "k0" in tier.objects
+    assert tier.evictions == 1
+
+
+def test_watermark_eviction_in_maintain(tier):
+    for i in range(15):
+        assert put(tier, f"k{i}", 64 << 10, now=float(i))
+    tier.maintain(100.0)
+    assert tier.alloc.used <= tier.low
+    assert "k14" in tier.objects and "k0" not in tier.objects
+
+
+def test_leased_slot_is_quarantined_not_reused(tier):
+    for i in range(4):
+        assert put(tier, f"k{i}", 256 << 10, now=0.0)
+    obj = tier.lease("k0", now=5.0)                      # lease until 6.0; k0 is now newest
+    tier.remove(["k1", "k2", "k3"], now=5.0)
+    off = obj.offset
+    gone = tier.remove(["k0"], now=5.5)                  # freed while leased
+    assert gone == ["k0"]
+    # a new object cannot take k0's slot before the lease ends
+    for i in range(3):
+        o = tier.reserve(f"n{i}", 256 << 10, 5.6, 1.0)
+        assert o != off
+    assert tier.reserve("n3", 256 << 10, 5.7, 1.0) == -1  # only the quarantined slot is left
+    assert tier.reserve("n4", 256 << 10, 6.1, 1.0) == off  # lease over: reusable
+
+
+def test_expired_reservation_is_reclaimed(tier):
+    off = tier.reserve("r", 1000, now=0.0, hold_s=1.0)
+    assert off >= 0
+    tier.maintain(2.0)
+    assert "r" not in tier.reserved and not tier.commit("r", 1)

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from hicache_mc.config import ClientConfig, NodeConfig, MasterConfig, load_config, parse_size
+from hicache_mc.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,value", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("64KB", 64000),
+                                        ("1.5GiB", 3 << 29), (4096, 4096), ("4096", 4096)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["4XB", "-1", "", "GiB", True, -5])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError, match="dram"):
+        parse_size(bad, "dram")
+
+
+def test_precedence_defaults_file_env_explicit(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[node]\ndram = "1GiB"\nlease_s = 3.0\nport = 7000\n')
+    env = {"HICACHE_MC_LEASE_S": "4.5", "HICACHE_MC_PORT": "7001"}
+    cfg = load_config(NodeConfig, file=str(f), env=env, section="node", port=7002)
+    assert cfg.dram == 1 << 30          # file over default
+    assert cfg.lease_s == 4.5           # env over file
+    assert cfg.port == 7002             # explicit over env
+    assert cfg.high_watermark == NodeConfig().high_watermark
+
+
+def test_json_file(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"timeout_s": 1.5, "transport": "tcp"}))
+    cfg = load_config(ClientConfig, file=str(f), env={})
+    assert cfg.timeout_s == 1.5 and cfg.transport == "tcp"
+
+
+def test_unknown_keys_and_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(ClientConfig, env={}, bogus=1)
+    f = tmp_path / "c.toml"
+    f.write_text("colour = 3\n")
+    with pytest.raises(ConfigError, match="colour"):
+        load_config(MasterConfig, file=str(f), env={})
+    with pytest.raises(ConfigError, match="timeout_s"):
+        load_config(ClientConfig, env={"HICACHE_MC_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match="transport"):
+        load_config(ClientConfig, env={}, transport="carrier-pigeon")
+    with pytest.raises(ConfigError, match="port"):
+        load_config(MasterConfig, env={}, port=70000)
+    with pytest.raises(ConfigError, match="watermark"):
+        load_config(NodeConfig, env={}, low_watermark=0.99, high_watermark=0.5)
+    with pytest.raises(ConfigError, match="verify_checksums"):
+        load_config(ClientConfig, env={}, verify_checksums="maybe")
+
+
+def test_configs_are_frozen():
+    cfg = MasterConfig()
+    with pytest.raises(Exception):
+        cfg.port = 1
