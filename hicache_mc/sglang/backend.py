@@ -1,0 +1,295 @@
+"""HiCacheMC: hicache-mc as an SGLang HiCache L3 storage backend.
+
+Lifecycle, as SGLang's controller drives it (see docs/sglang.md):
+
+1. ``HiCacheMC(storage_config, {})`` from ``StorageBackendFactory`` (``dynamic`` backend):
+   settings from ``storage_config.extra_config``; a bad or unknown key fails start-up.
+2. ``register_mem_pool_host(pool)``: probe the page geometry, fix the key namespace, refuse
+   unsupported pools or layouts with a clear error.
+3. Concurrently: ``batch_exists`` (prefetch thread), ``batch_get_v1`` (prefetch I/O thread),
+   ``batch_set_v1`` (backup thread), ``get_stats`` / ``clear`` (scheduler thread).
+4. ``close()`` on detach.
+
+From step 3 on nothing raises into SGLang and nothing returns ``None`` where SGLang expects a
+list or a count: any failure becomes a miss / ``False``, logged once per episode.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
+
+from ..keys import KVNamespace, batch_page_keys
+from .layout import PageGeometry, describe_pool
+from .metrics import BatchMetrics, EpisodeLog
+from .settings import load_settings
+from .staging import ChunkStager, _fold
+
+logger = logging.getLogger("hicache_mc.sglang")
+
+
+class HiCacheMC(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` backed by a hicache-mc cluster (zero-copy v1 path)."""
+
+    def __init__(self, storage_config, kwargs: Optional[dict] = None):
+        from ..client import StoreClient
+        self.storage_config = storage_config
+        self.client_config, self.settings = load_settings(
+            getattr(storage_config, "extra_config", None))
+        self.client = StoreClient(config=self.client_config)
+        self.metrics = BatchMetrics()
+        self.episodes = EpisodeLog()
+        self.geometry: Optional[PageGeometry] = None
+        self.namespace: Optional[str] = None
+        self._stager: Optional[ChunkStager] = None
+        self.is_writer = bool(getattr(storage_config, "is_storage_writer",
+                                      not storage_config.is_mla_model or storage_config.tp_rank == 0))
+        if getattr(storage_config, "should_split_heads", False):
+            logger.info("hicache_mc: heterogeneous-TP head splitting is not used; pages are "
+                        "shared only between deployments of the same TP size")
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Record the host pool, its page geometry and the key namespace; refuse what we can't store."""
+        super().register_mem_pool_host(mem_pool_host)
+        geo = describe_pool(mem_pool_host)
+        if not geo.zero_copy:
+            self._stager = ChunkStager(mem_pool_host.kv_buffer, geo)
+        self.geometry = geo
+        self.namespace = self._namespace(mem_pool_host, geo)
+        register = getattr(self.client, "register_buffer", None)
+        if register is not None:  # transports that need registered memory (mooncake)
+            for t in mem_pool_host.get_hybrid_pool_buffer():
+                register(t.data_ptr(), t.numel() * t.element_size())
+        logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s, "
+                    "namespace %s, master %s", geo.kind.upper(), geo.layout, geo.page_size,
+                    "/".join(geo.parts), "/".join(map(str, geo.part_bytes)),
+                    "" if geo.zero_copy else f" (staged from {geo.chunks} chunks)",
+                    self.namespace, self.client_config.master)
+
+    def on_host_pools_registered(self) -> None:
+        """Refuse hybrid-model sidecar pools (Mamba, SWA, indexer): only KV pages are stored."""
+        extra = [str(name) for name, pool in getattr(self, "registered_pools", {}).items()
+                 if pool is not getattr(self, "mem_pool_host", None) and str(name) != "kv"]
+        if extra:
+            raise ValueError(f"hicache_mc stores KV pages only; sidecar pools {extra} "
+                             f"(hybrid models) are not supported")
+
+    def _namespace(self, pool, geo: PageGeometry) -> str:
+        cfg, s = self.storage_config, self.settings
+        kv_dtype = str(pool.dtype)
+        if s.kv_cache_dtype:
+            kv_dtype += ":" + s.kv_cache_dtype
+        elif pool.dtype == torch.uint8:
+            logger.warning("hicache_mc: the host pool holds packed uint8 KV; set kv_cache_dtype in "
+                           "the extra config (as --kv-cache-dtype) so fp8 variants never mix")
+        return KVNamespace(
+            model=s.model_name or cfg.model_name or "", kv_dtype=kv_dtype, layout=geo.layout,
+            page_size=geo.page_size, start_layer=_int_attr(pool, "start_layer", 0),
+            end_layer=_int_attr(pool, "end_layer", -1),
+            tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, is_mla=bool(cfg.is_mla_model),
+            pp_rank=getattr(cfg, "pp_rank", 0), attn_cp_rank=getattr(cfg, "attn_cp_rank", 0),
+            attn_cp_size=getattr(cfg, "attn_cp_size", 1), tenant=s.tenant,
+        ).digest()
+
+    def _keys(self, page_hashes: List[str]) -> list[str]:
+        return batch_page_keys(self.namespace, list(page_hashes), self.geometry.parts)
+
+    def _page_ptrs(self, n: int, host_indices: torch.Tensor):
+        per = self.geometry.page_size
+        if host_indices is None or host_indices.numel() != n * per:
+            got = None if host_indices is None else host_indices.numel()
+            raise ValueError(f"{n} keys need {n * per} host indices, got {got}")
+        return self.mem_pool_host.get_page_buffer_meta(host_indices)
+
+    # ------------------------------------------------------------------ zero-copy path
+
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Pages stored, counted from the first key (one master round trip)."""
+        if not keys or self.geometry is None:
+            return 0
+        try:
+            n = self.client.batch_exists(self._keys(keys))
+            self.episodes.ok("batch_exists")
+            return max(0, min(len(keys), int(n) // len(self.geometry.parts)))
+        except Exception as exc:
+            self.episodes.failed("batch_exists", exc)
+            return 0
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Load pages straight into the host slots ``host_indices``; one bool per key."""
+        n = len(keys)
+        if n == 0:
+            return []
+        try:
+            start = time.perf_counter()
+            ptrs, sizes = self._page_ptrs(n, host_indices)
+            skeys = self._keys(keys)
+            if self._stager is not None:
+                ok = self._stager.get(skeys, ptrs, self.client.batch_get_into)
+            else:
+                ok = self.client.batch_get_into(skeys, ptrs, sizes)
+            pages = self._pages(ok, n)
+            done = _leading(pages)
+            self.metrics.record("prefetch", done, done * self.geometry.page_bytes,
+                                time.perf_counter() - start)
+            self.episodes.ok("batch_get_v1")
+            return pages
+        except Exception as exc:
+            self.episodes.failed("batch_get_v1", exc)
+            return [False] * n
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store pages from the host slots; pages already stored count as stored (no rewrite)."""
+        n = len(keys)
+        if n == 0:
+            return []
+        if not self.is_writer:  # MLA: one copy serves every rank; the writer rank stores it
+            return [True] * n
+        try:
+            start = time.perf_counter()
+            ptrs, sizes = self._page_ptrs(n, host_indices)
+            skeys = self._keys(keys)
+            if self._stager is not None:
+                pages = self._staged_put(keys, skeys, ptrs)
+            else:
+                pages = self._pages(self.client.batch_put_from(skeys, ptrs, sizes), n)
+            self.metrics.record("backup", sum(pages), sum(pages) * self.geometry.page_bytes,
+                                time.perf_counter() - start)
+            if all(pages):
+                self.episodes.ok("batch_set_v1")
+            else:
+                self.episodes.failed("batch_set_v1", f"{pages.count(False)} of {n} pages not "
+                                     "stored (store down, full or timed out)")
+            return pages
+        except Exception as exc:
+            self.episodes.failed("batch_set_v1", exc)
+            return [False] * n
+
+    def _staged_put(self, keys, skeys, ptrs) -> list[bool]:
+        # Gathering costs a copy, so skip the leading run that is already stored (the usual case
+        # when a request extends a known prefix): one exists round trip saves the copies.
+        n_parts = len(self.geometry.parts)
+        stored = min(len(keys), self.client.batch_exists(skeys) // n_parts)
+        rest = self._stager.put(skeys[stored * n_parts:], ptrs[stored * n_parts * self.geometry.chunks:],
+                                self.client.batch_put_from)
+        return [True] * stored + self._pages(rest, len(keys) - stored)
+
+    def _pages(self, ok, n: int) -> list[bool]:
+        ok = list(ok)
+        if len(ok) != n * len(self.geometry.parts):
+            raise RuntimeError(f"store answered {len(ok)} results for {n} pages")
+        return _fold(ok, len(self.geometry.parts))
+
+    # ------------------------------------------------------------------ flat-page (legacy) path
+    # A flat page (get_data_page(flat=True)) is its part objects end to end, so these calls share
+    # objects with the v1 path.
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """Load one flat page into ``target_location`` (allocated when None); None on a miss."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """Load flat pages; the list holds the filled tensor, or None for a miss."""
+        n = len(keys)
+        try:
+            targets = list(target_locations) if target_locations is not None else \
+                [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            ptrs, sizes = self._flat_ptrs(targets, n)
+            pages = self._pages(self.client.batch_get_into(self._keys(keys), ptrs, sizes), n)
+            self.episodes.ok("batch_get")
+            return [t if ok else None for t, ok in zip(targets, pages)]
+        except Exception as exc:
+            self.episodes.failed("batch_get", exc)
+            return [None] * n
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        """Store one flat page."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store flat pages; True only if every page is stored."""
+        if not keys:
+            return True
+        if not self.is_writer:
+            return True
+        try:
+            values = [v.contiguous() for v in values]   # keep the copies alive during the put
+            ptrs, sizes = self._flat_ptrs(values, len(keys))
+            ok = all(self._pages(self.client.batch_put_from(self._keys(keys), ptrs, sizes), len(keys)))
+            if ok:
+                self.episodes.ok("batch_set")
+            else:
+                self.episodes.failed("batch_set", "pages not stored (store down, full or timed out)")
+            return ok
+        except Exception as exc:
+            self.episodes.failed("batch_set", exc)
+            return False
+
+    def exists(self, key: str) -> bool:
+        """True if the whole page is stored."""
+        return self.batch_exists([key]) == 1
+
+    def _flat_ptrs(self, tensors: list, n: int):
+        if len(tensors) != n:
+            raise ValueError(f"{n} keys but {len(tensors)} buffers")
+        geo = self.geometry
+        ptrs, sizes = [], []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("flat pages must be contiguous CPU tensors")
+            if t.numel() * t.element_size() != geo.page_bytes:
+                raise ValueError(f"flat page of {t.numel() * t.element_size()} B; "
+                                 f"this pool's pages are {geo.page_bytes} B")
+            offset = 0
+            for size in geo.part_bytes:
+                ptrs.append(t.data_ptr() + offset)
+                sizes.append(size)
+                offset += size
+        return ptrs, sizes
+
+    # ------------------------------------------------------------------ admin
+
+    def clear(self) -> None:
+        """Remove this deployment's pages (its namespace only) from the store."""
+        if self.namespace is None:
+            return
+        try:
+            removed = self.client.clear(prefix=f"{self.namespace}/")
+            logger.info("hicache_mc: cleared %d objects of namespace %s", removed, self.namespace)
+        except Exception as exc:
+            self.episodes.failed("clear", exc)
+
+    def get_stats(self):
+        """SGLang StorageMetrics since the last call (pages and GB/s per batch)."""
+        return self.metrics.drain()
+
+    def close(self) -> None:
+        """Release the client's sockets and mappings; the stored pages stay."""
+        try:
+            self.client.close()
+        except Exception as exc:
+            logger.warning("hicache_mc: close failed: %s", exc)
+
+
+def _int_attr(obj, name: str, default: int) -> int:
+    value = getattr(obj, name, None)
+    return default if value is None else int(value)
+
+
+def _leading(flags: List[bool]) -> int:
+    for i, f in enumerate(flags):
+        if not f:
+            return i
+    return len(flags)

@@ -1,0 +1,100 @@
+"""Real SGLang host pools on CPU, storage configs, and page-byte helpers for the tests."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
+
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+DYNAMIC = {"backend_name": "hicache_mc", "module_path": "hicache_mc.sglang",
+           "class_name": "HiCacheMC", "interface_v1": 1}
+
+
+def mha_host(layout: str, dtype=torch.bfloat16, page_size: int = 16, layers: int = 3,
+             heads: int = 2, head_dim: int = 32, tokens: int = 128) -> MHATokenToKVPoolHost:
+    """A real MHA host pool (host = 2 x ``tokens`` device slots, rounded up to whole pages)."""
+    dev = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype, head_num=heads,
+                           head_dim=head_dim, layer_num=layers, device="cpu",
+                           enable_memory_saver=False, start_layer=0, end_layer=layers - 1)
+    return MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+        start_layer=dev.start_layer, end_layer=dev.end_layer,
+        write_back_staging=getattr(dev, "hicache_write_back_staging", None))
+
+
+def mla_host(layout: str, dtype=torch.bfloat16, page_size: int = 16, layers: int = 3,
+             kv_lora_rank: int = 32, rope_dim: int = 16, tokens: int = 128) -> MLATokenToKVPoolHost:
+    """A real MLA host pool (one latent vector of kv_lora_rank + rope_dim per token and layer)."""
+    dev = MLATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype,
+                           kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, layer_num=layers,
+                           device="cpu", enable_memory_saver=False, start_layer=0,
+                           end_layer=layers - 1)
+    return MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+        start_layer=dev.start_layer, end_layer=dev.end_layer, target_layer_num=layers)
+
+
+def storage_config(master: str, *, model: str = "test/llama", mla: bool = False, tp_rank: int = 0,
+                   tp_size: int = 1, layout: str = "page_first", **extra) -> HiCacheStorageConfig:
+    """What HiCacheController._generate_storage_config builds, for one rank."""
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
+        model_name=model, extra_config={**DYNAMIC, "master": master, "timeout_s": 2.0, **extra})
+
+
+def make_backend(pool, master: str, *, mla: bool = False, **kw):
+    """Create HiCacheMC through SGLang's own factory and attach ``pool`` like the controller does."""
+    cfg = storage_config(master, mla=mla, layout=pool.layout, **kw)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+_salt = itertools.count(1)
+
+
+def page_hashes(n: int, page_size: int, salt: int | None = None) -> list[str]:
+    """SGLang's own chained page hashes of ``n`` pages of distinct tokens."""
+    salt = next(_salt) if salt is None else salt
+    tokens = [(salt * 1_000_003 + i) % 150_000 for i in range(n * page_size)]
+    return list(get_hash_str(tokens, None, page_size=page_size))
+
+
+def slots(pool, pages: int) -> torch.Tensor:
+    """Allocate ``pages`` host pages; int64 slot indices, page-aligned."""
+    idx = pool.alloc(pages * pool.page_size)
+    assert idx is not None, "host pool too small for the test"
+    return idx
+
+
+def fill_random(pool, idx: torch.Tensor, seed: int) -> None:
+    """Random bytes into every page of ``idx`` (through SGLang's own flat-page setter)."""
+    g = torch.Generator().manual_seed(seed)
+    for start in idx[::pool.page_size].tolist():
+        flat = pool.get_data_page(start, flat=True)
+        noise = torch.randint(0, 256, (flat.numel() * flat.element_size(),), dtype=torch.uint8,
+                              generator=g)
+        pool.set_from_flat_data_page(start, noise.view(flat.dtype))
+
+
+def page_bytes(pool, idx: torch.Tensor) -> list[torch.Tensor]:
+    """A copy of each page's bytes, in SGLang's flat-page order."""
+    return [pool.get_data_page(s, flat=True).contiguous().view(torch.uint8).clone()
+            for s in idx[::pool.page_size].tolist()]
+
+
+def zero_pages(pool, idx: torch.Tensor) -> None:
+    for s in idx[::pool.page_size].tolist():
+        flat = pool.get_data_page(s, flat=True)
+        pool.set_from_flat_data_page(s, torch.zeros_like(flat))
