@@ -232,6 +232,7 @@ class NodeInfo:
     host: str                # machine identity (hostname + boot id) for same-host shm
     shm_path: str            # the DRAM segment file, mappable by same-host clients
     capacity: int
+    prefault: bool = False   # the segment is resident: clients may map it pre-populated
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -239,7 +240,7 @@ class NodeInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":
         try:
-            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"bad node record: {exc}") from None
 

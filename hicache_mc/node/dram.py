@@ -37,7 +37,7 @@ class Obj:
 
 class DramTier:
     def __init__(self, path: str, capacity: int, segment_id: str, lease_s: float,
-                 high_watermark: float, low_watermark: float):
+                 high_watermark: float, low_watermark: float, prefault: bool = False):
         self.path = path
         self.capacity = capacity
         self.lease_s = lease_s
@@ -46,7 +46,8 @@ class DramTier:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
-            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags=flags)
         finally:
             os.close(fd)
         header = MAGIC + segment_id.encode()

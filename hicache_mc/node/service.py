@@ -55,8 +55,9 @@ class StorageNode(Service):
         seg_id = uuid.uuid4().hex[:8]
         path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
         self.dram = DramTier(path, config.dram, seg_id, config.lease_s,
-                             config.high_watermark, config.low_watermark)
-        self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram)
+                             config.high_watermark, config.low_watermark, config.prefault)
+        self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
+                               config.prefault)
         self.master = self.ctx.socket(zmq.DEALER)
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)

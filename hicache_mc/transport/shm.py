@@ -38,10 +38,11 @@ def host_identity() -> str:
 class Segment:
     """One node's segment mapped into this process."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, populate: bool = False):
         fd = os.open(path, os.O_RDWR)
         try:
-            self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self.mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
         finally:
             os.close(fd)
         seg_id = os.path.basename(path).rsplit("-", 1)[-1].encode()
@@ -76,7 +77,7 @@ class ShmTransport(Transport):
         with self._lock:
             if node.shm_path not in self._segments:
                 try:
-                    self._segments[node.shm_path] = Segment(node.shm_path)
+                    self._segments[node.shm_path] = Segment(node.shm_path, node.prefault)
                 except (OSError, ValueError) as exc:
                     log.info("node %s: segment not mappable (%s); using tcp", node.node_id, exc)
                     self._segments[node.shm_path] = None

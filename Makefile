@@ -1,0 +1,26 @@
+# Two commands do everything on a fresh machine (Python 3.10+ and, for Mooncake, apt):
+#   make demo   set up .venv, start an embedded store and push a KV-page stream through it
+#   make test   set up .venv and run the whole test suite
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml requirements/*.txt scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hicache-mc demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_store.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
