@@ -68,8 +68,10 @@ def _page_copy_kernel(
     pool += page * PAGE_SIZE * row_stride
     blob = blob_ptr.to(tl.pointer_type(WORD)) + j * blob_page_stride + part * blob_part_stride
     blob += layer * s_l
+    # In-slab offsets stay int32 (the launcher checks they fit): cheaper index math on a GPU.
+    # Everything scaled by a page, part or layer number went int64 above.
     for start in range(tl.program_id(1) * BLOCK, SLAB, tl.num_programs(1) * BLOCK):
-        e = start + tl.arange(0, BLOCK).to(tl.int64)
+        e = start + tl.arange(0, BLOCK)
         mask = e < SLAB
         t = e // ROW
         r = e % ROW
@@ -139,6 +141,9 @@ def _run(geo: PoolGeometry, buffers, blobs, page_indices, layout, unpack, check_
     isz = blobs.element_size()
     row_w = geo.heads * geo.head_dim * isz // word
     slab = geo.page_size * row_w
+    if geo.page_size * geo.row_stride * isz // word >= 2**31 or geo.blob_numel * isz // word >= 2**31:
+        raise ValueError("one page of one layer, or one blob, spans 2^31 words or more; "
+                         "the kernel's in-page offsets are 32-bit")
     block = block or min(_BLOCK_WORDS, triton.next_power_of_2(slab))
     grid = (idx.numel() * geo.parts * geo.layers, min(triton.cdiv(slab, block), _MAX_GRID_1))
     launch(_page_copy_kernel, grid, table, blobs, idx,
