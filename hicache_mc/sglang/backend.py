@@ -22,7 +22,8 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from ..keys import KVNamespace, batch_page_keys
+from ..direct import kv_namespace
+from ..keys import batch_page_keys
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
 from .settings import load_settings
@@ -80,21 +81,19 @@ class HiCacheMC(HiCacheStorage):
                              f"(hybrid models) are not supported")
 
     def _namespace(self, pool, geo: PageGeometry) -> str:
+        # One derivation for this adapter and the GPU-direct path (hicache_mc.direct), so a page
+        # saved by either is a hit for the other. The layer count includes MTP draft layers.
         cfg, s = self.storage_config, self.settings
-        kv_dtype = str(pool.dtype)
-        if s.kv_cache_dtype:
-            kv_dtype += ":" + s.kv_cache_dtype
-        elif pool.dtype == torch.uint8:
+        if pool.dtype == torch.uint8 and not s.kv_cache_dtype:
             logger.warning("hicache_mc: the host pool holds packed uint8 KV; set kv_cache_dtype in "
                            "the extra config (as --kv-cache-dtype) so fp8 variants never mix")
-        return KVNamespace(
-            model=s.model_name or cfg.model_name or "", kv_dtype=kv_dtype, layout=geo.layout,
-            page_size=geo.page_size, start_layer=_int_attr(pool, "start_layer", 0),
-            end_layer=_int_attr(pool, "end_layer", -1),
-            tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, is_mla=bool(cfg.is_mla_model),
+        return kv_namespace(
+            s.model_name or cfg.model_name or "", pool.dtype, geo.layout, geo.page_size,
+            int(pool.layer_num), start_layer=_int_attr(pool, "start_layer", 0),
+            is_mla=bool(cfg.is_mla_model), tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
             pp_rank=getattr(cfg, "pp_rank", 0), attn_cp_rank=getattr(cfg, "attn_cp_rank", 0),
             attn_cp_size=getattr(cfg, "attn_cp_size", 1), tenant=s.tenant,
-        ).digest()
+            kv_cache_dtype=s.kv_cache_dtype).digest()
 
     def _keys(self, page_hashes: List[str]) -> list[str]:
         return batch_page_keys(self.namespace, list(page_hashes), self.geometry.parts)
