@@ -122,11 +122,12 @@ def speed(device, n_pages, iters, blocks) -> list[dict]:
                 continue        # the same byte order (and code path) as page_first_direct
             best = {}
             for block in blocks:
-                b = {"block": block}
-                b["pack"] = timed(lambda: pack_pages(pool, pages, ps, layout, out=out,
-                                                     check_indices=False, block=block), device, iters)
-                b["unpack"] = timed(lambda: unpack_pages(out, pool, pages, ps, layout,
-                                                         check_indices=False, block=block), device, iters)
+                kw = {"check_indices": False, "block": block}
+                b = {"block": block,
+                     "pack": timed(lambda: pack_pages(pool, pages, ps, layout, out=out, **kw),
+                                   device, iters),
+                     "unpack": timed(lambda: unpack_pages(out, pool, pages, ps, layout, **kw),
+                                     device, iters)}
                 if not best or b["pack"] + b["unpack"] < best["pack"] + best["unpack"]:
                     best = b
             gather_s = timed(lambda: pack_pages_ref(pool, pages, ps, layout), device, iters)

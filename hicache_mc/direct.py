@@ -96,7 +96,7 @@ class KVDirect:
         return out
 
     def load(self, page_hashes: Sequence[str], page_ids) -> int:
-        """Load the leading run of stored pages into device pages ``page_ids``; returns its length."""
+        """Load the leading run of stored pages into device pages ``page_ids``; returns how many."""
         ids = self._ids(page_hashes, page_ids)
         if not len(ids):
             return 0

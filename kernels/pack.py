@@ -141,7 +141,8 @@ def _run(geo: PoolGeometry, buffers, blobs, page_indices, layout, unpack, check_
     isz = blobs.element_size()
     row_w = geo.heads * geo.head_dim * isz // word
     slab = geo.page_size * row_w
-    if geo.page_size * geo.row_stride * isz // word >= 2**31 or geo.blob_numel * isz // word >= 2**31:
+    limit = 2**31 * word // isz
+    if geo.page_size * geo.row_stride >= limit or geo.blob_numel >= limit:
         raise ValueError("one page of one layer, or one blob, spans 2^31 words or more; "
                          "the kernel's in-page offsets are 32-bit")
     block = block or min(_BLOCK_WORDS, triton.next_power_of_2(slab))

@@ -34,7 +34,7 @@ def _slots(page_indices, page_size: int, device) -> torch.Tensor:
 
 def pack_pages_ref(buffers: Sequence[Sequence[torch.Tensor]], page_indices, page_size: int,
                    layout: str, *, layers: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """Blobs ``(n, parts, L*ps*H*D)``: part ``q`` of page ``page_indices[j]`` in ``layout`` order."""
+    """Blobs ``(n, parts, L*ps*H*D)``: part ``q`` of page ``page_indices[j]``, ``layout`` order."""
     first = buffers[0][0]
     layer_ids = range(len(buffers[0])) if layers is None else list(layers)
     slots = _slots(page_indices, page_size, first.device)
