@@ -10,7 +10,7 @@ import threading
 from typing import Optional
 
 from .config import DEFAULT_MASTER, ClientConfig, MasterConfig, NodeConfig, load_config
-from .errors import ConfigError
+from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
 
@@ -23,7 +23,17 @@ def _master_config(args) -> MasterConfig:
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
-                       node_id=args.node_id)
+                       node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
+                       durability=args.durability)
+
+
+def node_options(sp) -> None:
+    sp.add_argument("--node-id")
+    sp.add_argument("--dram", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
+    sp.add_argument("--ssd", help="SSD tier size, e.g. 100GiB (default 0: no SSD tier)")
+    sp.add_argument("--ssd-dir", help="SSD tier folder (default <data_dir>/ssd)")
+    sp.add_argument("--durability", choices=["sync", "async", "demote"],
+                    help="when writes reach the SSD tier (default async)")
 
 
 def run_services(services) -> None:
@@ -129,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="master port (default 7370)")
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
-    s.add_argument("--node-id")
-    s.add_argument("--dram", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
+    node_options(s)
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("master", help="run a master")
@@ -143,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(s, master=True)
     s.add_argument("--host")
     s.add_argument("--node-port", "--port", dest="node_port", type=int)
-    s.add_argument("--node-id")
-    s.add_argument("--dram")
+    node_options(s)
     s.set_defaults(fn=cmd_node)
 
     s = sub.add_parser("stats", help="cluster stats")
@@ -176,6 +184,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"hicache-mc: configuration error: {exc}", file=sys.stderr)
         return 2
+    except HicacheError as exc:
+        print(f"hicache-mc: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

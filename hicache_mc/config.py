@@ -85,9 +85,24 @@ class NodeConfig:
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
     token: str = ""
+    # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
+    ssd: int = size_field("0")                 # SSD tier capacity (0 = no SSD tier)
+    ssd_dir: str = ""                          # "" = <data_dir>/ssd
+    ssd_segment: int = size_field("256MiB")    # size of one append-only segment file
+    ssd_high_watermark: float = 0.95
+    ssd_low_watermark: float = 0.85
+    durability: str = "async"                  # sync | async | demote (see docs/configuration.md)
+    ssd_fsync_interval_s: float = 1.0          # async: fsync this often
 
     def __post_init__(self):
         _check_port(self.port, "port")
+        if self.durability not in ("sync", "async", "demote"):
+            raise ConfigError(f"durability: expected sync, async or demote, got {self.durability!r}")
+        if not 0 < self.ssd_low_watermark <= self.ssd_high_watermark <= 1:
+            raise ConfigError("ssd_low_watermark/ssd_high_watermark: need 0 < low <= high <= 1")
+        if self.ssd_segment < 1 << 16:
+            raise ConfigError(f"ssd_segment: at least 64KiB, got {self.ssd_segment}")
+        _check_positive(self.ssd_fsync_interval_s, "ssd_fsync_interval_s")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"low_watermark/high_watermark: need 0 < low <= high <= 1, got "
                               f"{self.low_watermark}/{self.high_watermark}")

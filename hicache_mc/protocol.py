@@ -164,10 +164,13 @@ class LeaseRequest(Message):
     keys: list[str]
 
 
+LEASE_STREAM = -3  # LeaseReply offset: stored, but read it with ReadRequest (not staged in DRAM)
+
+
 @message
 class LeaseReply(Message):
     # shm: offsets into the node's segment, valid until `deadline` (CLOCK_MONOTONIC, seconds).
-    offsets: list[int]       # -1 = missing
+    offsets: list[int]       # -1 = missing; LEASE_STREAM = read it over tcp
     sizes: list[int]
     checksums: list[int]
     deadline: float

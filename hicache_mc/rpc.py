@@ -48,8 +48,9 @@ class Service:
         self.stopping = threading.Event()
         self._extra: list[tuple[zmq.Socket, Callable[[], None]]] = []
 
-    def add_socket(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
-        """Poll another socket in the same loop (the node's channel to the master)."""
+    def add_socket(self, sock, on_readable: Callable[[], None]) -> None:
+        """Poll another socket or file descriptor in the same loop (the node's channel to
+        the master, the SSD writer's wake-up pipe)."""
         self._extra.append((sock, on_readable))
 
     def tick(self, now: float) -> None:
@@ -83,7 +84,8 @@ class Service:
     def close(self) -> None:
         self.sock.close(0)
         for sock, _ in self._extra:
-            sock.close(0)
+            if isinstance(sock, zmq.Socket):
+                sock.close(0)
         self.ctx.term()
 
     def reply(self, ident: bytes, req_id: int, msg: P.Message, payload: Optional[list] = None) -> None:

@@ -38,17 +38,19 @@ def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "
 class Proc:
     """One ``hicache-mc`` subprocess; its log goes to a file for post-mortems."""
 
-    def __init__(self, args: list[str], log_path: str, env: Optional[dict] = None):
+    def __init__(self, args: list[str], log_path: str, env: Optional[dict] = None, preexec=None):
         self.args = args
         self.log_path = log_path
         self.env = env
+        self.preexec = preexec
         self.p: Optional[subprocess.Popen] = None
 
     def start(self) -> "Proc":
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
         self.p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", *self.args],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+                                  stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  preexec_fn=self.preexec)
         log.close()
         return self
 
@@ -100,10 +102,12 @@ class Cluster:
         self.master_proc = self._proc("master", ["master", "--port", str(self.port)]).start()
         return self.master_proc
 
-    def add_node(self, dram: str = "256MiB", port: Optional[int] = None) -> Proc:
+    def add_node(self, dram: str = "256MiB", port: Optional[int] = None, args: tuple = (),
+                 preexec=None) -> Proc:
+        """Start a node process; ``args`` adds CLI flags (e.g. --ssd 64MiB --ssd-dir D)."""
         port = port or free_port()
-        node = self._proc(f"node{len(self.nodes)}", ["node", "--master", self.master,
-                                                      "--node-port", str(port), "--dram", dram]).start()
+        node = Proc(["node", "--master", self.master, "--node-port", str(port), "--dram", dram, *args],
+                    str(self.tmp / f"node{len(self.nodes)}.log"), self.env, preexec).start()
         node.port = port
         node.address = f"tcp://127.0.0.1:{port}"
         self.nodes.append(node)

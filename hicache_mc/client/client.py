@@ -73,7 +73,7 @@ class StoreClient:
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
         self.tcp = TcpTransport(self._channel, self.checks, verify)
-        self.shm = ShmTransport(self._channel, self.checks, verify)
+        self.shm = ShmTransport(self._channel, self.checks, verify, stream=self.tcp)
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
         self._closed = False

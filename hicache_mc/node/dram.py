@@ -33,6 +33,9 @@ class Obj:
     size: int
     checksum: int
     lease_until: float = 0.0
+    on_ssd: bool = False      # a copy is safely on the SSD tier: dropping this one loses nothing
+    busy: int = 0             # the SSD writer is reading the slot: it must not be reused
+    removed: bool = False     # removed while busy: free the slot when the writer is done
 
 
 class DramTier:
@@ -59,6 +62,9 @@ class DramTier:
         self._quarantined_bytes = 0
         self.dropped: list[str] = []                            # evicted keys the master must hear of
         self.evictions = 0
+        # Without an SSD tier, eviction may drop any object. With one, only copies already on
+        # SSD are dropped here; the rest leave DRAM by demotion (see node/store.py).
+        self.drop_dirty = True
 
     # ------------------------------------------------------------ writes
 
@@ -109,20 +115,42 @@ class DramTier:
     def _allocate(self, size: int, now: float) -> int:
         self._release_quarantine(now)
         offset = self.alloc.allocate(size)
-        while offset < 0 and self.objects:
-            self._evict_one(now)
-            self._release_quarantine(now)
-            offset = self.alloc.allocate(size)
+        if offset < 0:
+            victims = iter(list(self.objects.items()))
+            while offset < 0:
+                if not self._evict_next(victims, now):
+                    break
+                self._release_quarantine(now)
+                offset = self.alloc.allocate(size)
         return offset
 
-    def _evict_one(self, now: float) -> None:
-        key, obj = self.objects.popitem(last=False)
+    def _evict_next(self, victims, now: float) -> bool:
+        """Drop the next evictable object of ``victims`` (LRU order); False when none is left."""
+        for key, obj in victims:
+            if obj.busy or not (obj.on_ssd or self.drop_dirty):
+                continue
+            self.drop(key, now)
+            return True
+        return False
+
+    def drop(self, key: str, now: float) -> None:
+        """Evict one object; the master hears of it unless a copy stays on SSD."""
+        obj = self.objects.pop(key)
         self._free(obj, now)
-        self.dropped.append(key)
+        if not obj.on_ssd:
+            self.dropped.append(key)
         self.evictions += 1
 
+    def release(self, obj: Obj, now: float) -> None:
+        """The SSD writer is done with ``obj``'s slot."""
+        obj.busy -= 1
+        if obj.removed and obj.busy == 0:
+            self._free(obj, now)
+
     def _free(self, obj: Obj, now: float) -> None:
-        if obj.lease_until > now:
+        if obj.busy:
+            obj.removed = True
+        elif obj.lease_until > now:
             heapq.heappush(self._quarantine, (obj.lease_until, obj.offset, obj.size))
             self._quarantined_bytes += obj.size
         else:
@@ -146,8 +174,10 @@ class DramTier:
         self._release_quarantine(now)
         if self.alloc.used > self.high:
             # quarantined bytes come back by themselves once their leases end
-            while self.objects and self.alloc.used - self._quarantined_bytes > self.low:
-                self._evict_one(now)
+            victims = iter(list(self.objects.items()))
+            while self.alloc.used - self._quarantined_bytes > self.low:
+                if not self._evict_next(victims, now):
+                    break
 
     def remove(self, keys: Iterable[str], now: float) -> list[str]:
         gone = []

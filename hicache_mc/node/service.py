@@ -21,6 +21,8 @@ from ..config import NodeConfig
 from ..rpc import Service
 from ..transport.shm import host_identity
 from .dram import DramTier
+from .ssd import SsdTier
+from .store import ON_SSD, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,18 @@ class StorageNode(Service):
         remove_stale_segments(config.shm_dir)
         seg_id = uuid.uuid4().hex[:8]
         path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
-        self.dram = DramTier(path, config.dram, seg_id, config.lease_s,
-                             config.high_watermark, config.low_watermark, config.prefault)
+        dram = DramTier(path, config.dram, seg_id, config.lease_s,
+                        config.high_watermark, config.low_watermark, config.prefault)
+        ssd = None
+        if config.ssd > 0:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            ssd = SsdTier(config.ssd_dir or os.path.join(config.data_dir, "ssd"), config.ssd,
+                          config.ssd_segment, config.ssd_high_watermark, config.ssd_low_watermark,
+                          wake=self._wake)
+            self.add_socket(self._wake_r, self._on_ssd_done)
+        self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
+        self.dram = dram
         self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
                                config.prefault)
         self.master = self.ctx.socket(zmq.DEALER)
@@ -71,6 +83,30 @@ class StorageNode(Service):
         self._last_master_reply = time.monotonic()
         self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0, "bytes_out": 0}
 
+    # -------------------------------------------------------------- ssd writer
+
+    def _wake(self) -> None:
+        """Called on the SSD writer thread when a job is done."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass
+
+    def _on_ssd_done(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        self.store.poll_done(now)
+        finished, self.store.finished = self.store.finished, []
+        for pw, ok in finished:
+            failed = [k for k, good in zip(pw.keys, ok) if not good]
+            if failed:   # not on disk as the policy promised: neither acknowledged nor kept
+                self.store.remove(failed, now)
+                pw.drop(set(failed))
+            self._report(pw)
+
     # -------------------------------------------------------------- master channel
 
     def _to_master(self, msg: P.Message, waiter: Optional[tuple] = None) -> None:
@@ -85,7 +121,7 @@ class StorageNode(Service):
         """Announce this node and its whole inventory (the master may be new)."""
         self._next_register = now + self.config.heartbeat_interval_s
         self._to_master(P.RegisterRequest(self.info.to_dict()))
-        items = [(k, o.size, o.checksum) for k, o in self.dram.objects.items()]
+        items = self.store.inventory()
         for i in range(0, len(items), INVENTORY_CHUNK):
             chunk = items[i: i + INVENTORY_CHUNK]
             self._to_master(P.CommittedRequest(self.node_id, [c[0] for c in chunk],
@@ -125,8 +161,8 @@ class StorageNode(Service):
                 self.master.disconnect(self.config.master)
                 self.master.connect(self.config.master)
                 self._last_master_reply = now
-            self._to_master(P.HeartbeatRequest(self.node_id, {**self.dram.stats(), **self.counters}))
-        self.dram.maintain(now)
+            self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
+        self.store.maintain(now)
         if self.dram.dropped:
             dropped, self.dram.dropped = self.dram.dropped, []
             self._to_master(P.EvictedRequest(self.node_id, dropped))
@@ -135,21 +171,24 @@ class StorageNode(Service):
             log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)
             self.reply(ident, client_req, failed)
 
+    def stats(self) -> dict:
+        return {**self.store.stats(), **self.counters}
+
     # -------------------------------------------------------------- data plane
 
     def on_ReadRequest(self, msg: P.ReadRequest, payload, ident, req_id):
         now = time.monotonic()
         sizes, checksums, frames = [], [], []
         for key in msg.keys:
-            obj = self.dram.lease(key, now)   # the lease also covers zmq's zero-copy send
-            if obj is None:
+            found = self.store.read(key, now)   # DRAM views are leased: covers zmq's zero-copy send
+            if found is None:
                 sizes.append(-1)
                 checksums.append(0)
                 continue
-            sizes.append(obj.size)
-            checksums.append(obj.checksum)
-            frames.append(self.dram.view(obj))
-            self.counters["bytes_out"] += obj.size
+            sizes.append(found[0])
+            checksums.append(found[1])
+            frames.append(found[2])
+            self.counters["bytes_out"] += found[0]
         self.counters["reads"] += len(msg.keys)
         self.counters["read_hits"] += len(frames)
         return P.ReadReply(sizes, checksums), frames
@@ -158,13 +197,17 @@ class StorageNode(Service):
         now = time.monotonic()
         offsets, sizes, checksums = [], [], []
         for key in msg.keys:
-            obj = self.dram.lease(key, now)
-            offsets.append(-1 if obj is None else obj.offset)
-            sizes.append(-1 if obj is None else obj.size)
-            checksums.append(0 if obj is None else obj.checksum)
-        hits = sum(o >= 0 for o in offsets)
+            obj = self.store.lease(key, now)
+            if obj is None or obj is ON_SSD:
+                offsets.append(-1 if obj is None else P.LEASE_STREAM)
+                sizes.append(-1)
+                checksums.append(0)
+            else:
+                offsets.append(obj.offset)
+                sizes.append(obj.size)
+                checksums.append(obj.checksum)
         self.counters["reads"] += len(msg.keys)
-        self.counters["read_hits"] += hits
+        self.counters["read_hits"] += sum(o >= 0 for o in offsets)
         # the reader must be done a little before the slot could be reused
         return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8), None
 
@@ -173,23 +216,13 @@ class StorageNode(Service):
             return P.ErrorReply("bad_request", f"Write: {len(msg.keys)} keys, {len(msg.checksums)} "
                                 f"checksums, {len(payload)} payload frames"), None
         now = time.monotonic()
-        ok, keys, sizes, sums = [], [], [], []
-        for key, checksum, frame in zip(msg.keys, msg.checksums, payload):
+        pw = PendingWrite(ident, req_id, P.WriteReply, list(msg.keys))
+        for i, (key, checksum, frame) in enumerate(zip(msg.keys, msg.checksums, payload)):
             data = frame.buffer
-            if len(data) > self.config.max_value:
-                ok.append(False)
-                continue
-            good = self.dram.write(key, data, checksum, now)
-            ok.append(good)
-            if good:  # a key already stored is reported too: the master may have lost it
-                obj = self.dram.objects[key]
-                keys.append(key)
-                sizes.append(obj.size)
-                sums.append(obj.checksum)
+            if len(data) <= self.config.max_value and self.store.write(key, data, checksum, now):
+                pw.add(i, key, *self.store.meta(key))   # stored before too: the master may have lost it
                 self.counters["bytes_in"] += len(data)
-        self.counters["writes"] += len(keys)
-        failed = P.WriteReply([False] * len(ok))
-        return self._commit_to_master(keys, sizes, sums, ident, req_id, P.WriteReply(ok), failed)
+        return self._acknowledge(pw)
 
     def on_ReserveRequest(self, msg: P.ReserveRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
@@ -200,33 +233,38 @@ class StorageNode(Service):
             if size < 0 or size > self.config.max_value:
                 offsets.append(-1)
             else:
-                offsets.append(self.dram.reserve(key, size, now, self.config.reserve_s))
+                offsets.append(self.store.reserve(key, size, now, self.config.reserve_s))
         return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.checksums):
             return P.ErrorReply("bad_request", "Commit: keys and checksums differ in length"), None
-        ok, keys, sizes, sums = [], [], [], []
-        for key, checksum in zip(msg.keys, msg.checksums):
-            good = self.dram.commit(key, checksum)
-            ok.append(good)
-            if good:
-                keys.append(key)
-                sizes.append(self.dram.objects[key].size)
-                sums.append(checksum)
-                self.counters["bytes_in"] += sizes[-1]
-        self.counters["writes"] += len(keys)
-        return self._commit_to_master(keys, sizes, sums, ident, req_id, P.CommitReply(ok),
-                                      P.CommitReply([False] * len(ok)))
+        pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
+        for i, (key, checksum) in enumerate(zip(msg.keys, msg.checksums)):
+            if self.dram.commit(key, checksum):
+                pw.add(i, key, *self.store.meta(key))
+                self.counters["bytes_in"] += pw.sizes[-1]
+        return self._acknowledge(pw)
 
-    def _commit_to_master(self, keys, sizes, sums, ident, req_id, reply, failed):
-        if not keys:
-            return reply, None
-        self._to_master(P.CommittedRequest(self.node_id, keys, sizes, sums), (ident, req_id, reply, failed))
+    def _acknowledge(self, pw: "PendingWrite"):
+        """Persist as the durability policy says, then tell the master, then the client."""
+        self.counters["writes"] += len(pw.keys)
+        if self.store.persist(pw.keys, pw):
+            return None   # continued in _on_ssd_done
+        return self._report(pw)
+
+    def _report(self, pw: "PendingWrite"):
+        reply = pw.reply_cls(pw.ok)
+        if not pw.keys:
+            self.reply(pw.ident, pw.req_id, reply)
+            return None
+        failed = pw.reply_cls([False] * len(pw.ok))
+        self._to_master(P.CommittedRequest(self.node_id, pw.keys, pw.sizes, pw.sums),
+                        (pw.ident, pw.req_id, reply, failed))
         return None  # answered when the master acknowledges
 
     def on_ClearRequest(self, msg: P.ClearRequest, payload, ident, req_id):
-        gone = self.dram.clear(msg.prefix, time.monotonic())
+        gone = self.store.clear(msg.prefix, time.monotonic())
         if not gone:
             return P.ClearReply(0), None
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
@@ -234,8 +272,40 @@ class StorageNode(Service):
         return None
 
     def on_NodeStatsRequest(self, msg, payload, ident, req_id):
-        return P.StatsReply({"node_id": self.node_id, **self.dram.stats(), **self.counters}), None
+        return P.StatsReply({"node_id": self.node_id, **self.stats()}), None
 
     def close(self) -> None:
         super().close()
-        self.dram.close()
+        self.store.close()
+        if self.store.ssd is not None:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+
+class PendingWrite:
+    """A client's write on its way to disk (``sync``) and to the master."""
+
+    def __init__(self, ident: bytes, req_id: int, reply_cls, request_keys: list[str]):
+        self.ident, self.req_id, self.reply_cls = ident, req_id, reply_cls
+        self.ok = [False] * len(request_keys)
+        self.where: list[int] = []           # request position of each stored key
+        self.keys: list[str] = []
+        self.sizes: list[int] = []
+        self.sums: list[int] = []
+
+    def add(self, i: int, key: str, size: int, checksum: int) -> None:
+        self.ok[i] = True
+        self.where.append(i)
+        self.keys.append(key)
+        self.sizes.append(size)
+        self.sums.append(checksum)
+
+    def drop(self, keys: set) -> None:
+        keep = [j for j, k in enumerate(self.keys) if k not in keys]
+        for j, k in enumerate(self.keys):
+            if k in keys:
+                self.ok[self.where[j]] = False
+        self.where = [self.where[j] for j in keep]
+        self.keys = [self.keys[j] for j in keep]
+        self.sizes = [self.sizes[j] for j in keep]
+        self.sums = [self.sums[j] for j in keep]

@@ -65,7 +65,8 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True):
+                 verify: bool = True, stream: Optional[Transport] = None):
+        self.stream = stream                # reads the node cannot stage in DRAM go this way
         self.channel_for = channel_for
         self.checks = checks
         self.verify = verify
@@ -88,9 +89,13 @@ class ShmTransport(Transport):
         ch = self.channel_for(node.address)
         reply, _ = ch.recv(ch.send(P.LeaseRequest(keys)), deadline)
         reply = P.raise_if_error(reply)
-        out = []
-        for key, ptr, want, off, have, expected in zip(keys, ptrs, sizes, reply.offsets,
-                                                      reply.sizes, reply.checksums):
+        out, streamed = [], []
+        for i, (key, ptr, want, off, have, expected) in enumerate(
+                zip(keys, ptrs, sizes, reply.offsets, reply.sizes, reply.checksums)):
+            if off == P.LEASE_STREAM and self.stream is not None:
+                streamed.append(i)
+                out.append(False)
+                continue
             if off < 0 or have != want or off + have > seg.size:
                 out.append(False)
                 continue
@@ -100,6 +105,11 @@ class ShmTransport(Transport):
         if time.monotonic() > reply.deadline:   # too slow: the slots may have been reused
             log.warning("shm read of %d objects outlived its lease; treated as misses", len(keys))
             return [False] * len(keys)
+        if streamed:
+            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
+                                   [sizes[i] for i in streamed], deadline)
+            for i, ok in zip(streamed, got):
+                out[i] = ok
         return out
 
     def write(self, node, keys, ptrs, sizes, checksums, deadline):

@@ -1,0 +1,303 @@
+"""TieredStore: one node's objects across its DRAM tier and its optional SSD tier.
+
+Policy, in one place:
+
+- Writes land in DRAM. With an SSD tier, ``durability`` decides when they reach disk:
+  ``sync`` writes each batch through and fsyncs before the put is acknowledged; ``async`` (the
+  default) writes through in the background and fsyncs every ``ssd_fsync_interval_s``;
+  ``demote`` writes only what is demoted.
+- DRAM above its high watermark: copies already on SSD are dropped at once; the rest are
+  demoted (written to SSD in one batch) and their slots freed once the batch is on disk.
+  If the disk fails, demotion falls back to dropping, and the failure is logged once.
+- A read of an SSD-only object streams it from disk (tcp) or stages it into DRAM (shm).
+- SSD above its high watermark: LRU records are forgotten; segments under half live are
+  compacted in the background; the master hears of every key that left the node.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Optional
+
+from .dram import DramTier, Obj
+from .ssd import Job, SsdTier
+
+log = logging.getLogger(__name__)
+
+DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loop's stall
+ON_SSD = "on-ssd"               # lease(): present, but only readable by streaming (tcp)
+DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
+ERROR_LOG_INTERVAL_S = 60.0
+
+
+class TieredStore:
+    def __init__(self, dram: DramTier, ssd: Optional[SsdTier], durability: str, fsync_interval_s: float):
+        self.dram = dram
+        self.ssd = ssd
+        self.durability = durability if ssd else "none"
+        self.fsync_interval_s = fsync_interval_s
+        dram.drop_dirty = ssd is None
+        self._next_fsync = 0.0
+        self._disk_ok = True
+        self._disk_retry_at = 0.0
+        self._quiet_until = 0.0
+        self._demoting = False
+        self.finished: list[tuple[object, list[bool]]] = []   # (waiter, per-key ok) of sync writes
+
+    # ------------------------------------------------------------ lookups
+
+    def contains(self, key: str) -> bool:
+        return key in self.dram.objects or (self.ssd is not None and key in self.ssd.index)
+
+    def meta(self, key: str) -> Optional[tuple[int, int]]:
+        """(size, checksum) wherever the object lives."""
+        obj = self.dram.objects.get(key)
+        if obj is not None:
+            return obj.size, obj.checksum
+        rec = self.ssd.index.get(key) if self.ssd else None
+        return (rec.size, rec.checksum) if rec else None
+
+    def read(self, key: str, now: float):
+        """(size, checksum, buffer) for the tcp path, or None. DRAM views are leased."""
+        obj = self.dram.lease(key, now)
+        if obj is not None:
+            return obj.size, obj.checksum, self.dram.view(obj)
+        rec = self.ssd.get(key) if self.ssd else None
+        if rec is None:
+            return None
+        data = self.ssd.read(rec)
+        if data is None:
+            self._lost_on_ssd(key)
+            return None
+        return rec.size, rec.checksum, data
+
+    def lease(self, key: str, now: float):
+        """A DRAM-resident, leased object for the shm path (SSD-only objects are staged in);
+        None when absent; ``ON_SSD`` when on SSD but DRAM has no room to stage it now."""
+        obj = self.dram.lease(key, now)
+        if obj is not None or self.ssd is None:
+            return obj
+        rec = self.ssd.get(key)
+        if rec is None:
+            return None
+        offset = self.dram.reserve(key, rec.size, now, 0.0)
+        if offset < 0:
+            return ON_SSD
+        obj = self.dram.reserved[key][0]
+        if not self.ssd.read_into(rec, self.dram.view(obj)):
+            self.dram.reserved.pop(key)
+            self.dram._free(obj, now)
+            self._lost_on_ssd(key)
+            return None
+        self.dram.commit(key, rec.checksum)
+        obj.on_ssd = True
+        self.ssd.counters["promotions"] += 1
+        return self.dram.lease(key, now)
+
+    def _lost_on_ssd(self, key: str) -> None:
+        log.warning("ssd record of %s is damaged; dropped it", key)
+        self.ssd.remove(key)
+        obj = self.dram.objects.get(key)
+        if obj is not None:
+            obj.on_ssd = False
+        else:
+            self.dram.dropped.append(key)
+
+    # ------------------------------------------------------------ writes
+
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+        if self.ssd is not None and key in self.ssd.index:
+            return -2
+        return self.dram.reserve(key, size, now, hold_s)
+
+    def write(self, key: str, data, checksum: int, now: float) -> bool:
+        if self.ssd is not None and key in self.ssd.index:
+            return True
+        return self.dram.write(key, data, checksum, now)
+
+    def persist(self, keys: list[str], waiter: object = None) -> bool:
+        """Start writing newly committed DRAM objects through to SSD, as the policy says.
+
+        Returns True when ``waiter`` must wait for the disk (``sync``): it comes back through
+        ``finished`` with one ok flag per key."""
+        if self.durability not in ("sync", "async") or not keys:
+            return False
+        items = []
+        for key in keys:
+            obj = self.dram.objects.get(key)
+            if obj is not None and not obj.on_ssd:
+                obj.busy += 1
+                items.append((key, self.dram.view(obj), obj.checksum))
+        sync = self.durability == "sync"
+        self.ssd.writer.jobs.put(Job("append", items, fsync=sync, tag=("through", keys, waiter if sync else None)))
+        return sync
+
+    # ------------------------------------------------------------ removal
+
+    def remove(self, keys: list[str], now: float) -> list[str]:
+        gone = set(self.dram.remove(keys, now))
+        if self.ssd is not None:
+            on_disk = [k for k in keys if self.ssd.remove(k) is not None]
+            if on_disk:
+                self.ssd.writer.jobs.put(Job("tombstone", on_disk))
+            gone.update(on_disk)
+        return [k for k in keys if k in gone]
+
+    def clear(self, prefix: str, now: float) -> list[str]:
+        keys = set(k for k in self.dram.objects if k.startswith(prefix))
+        if self.ssd is not None:
+            keys.update(k for k in self.ssd.index if k.startswith(prefix))
+        return self.remove(sorted(keys), now)
+
+    # ------------------------------------------------------------ background work
+
+    def maintain(self, now: float) -> None:
+        self.dram.maintain(now)
+        if self.ssd is None:
+            return
+        self._demote(now)
+        for key in self.ssd.evict():
+            obj = self.dram.objects.get(key)
+            if obj is not None:
+                obj.on_ssd = False
+            else:
+                self.dram.dropped.append(key)
+        self._compact()
+        if self.durability == "async" and now >= self._next_fsync:
+            self._next_fsync = now + self.fsync_interval_s
+            self.ssd.writer.jobs.put(Job("fsync"))
+
+    def _demote(self, now: float) -> None:
+        dram = self.dram
+        excess = dram.alloc.used - dram._quarantined_bytes - dram.low
+        if dram.alloc.used <= dram.high or excess <= 0 or self._demoting:
+            return
+        items, batch = [], 0
+        for key, obj in list(dram.objects.items()):
+            if excess <= 0 or batch >= DEMOTE_BATCH_BYTES:
+                break
+            if obj.busy:
+                continue
+            excess -= obj.size
+            if obj.on_ssd:
+                dram.drop(key, now)
+            elif self._disk_ok or now >= self._disk_retry_at:
+                obj.busy += 1
+                items.append((key, dram.view(obj), obj.checksum))
+                batch += obj.size
+            else:
+                dram.drop(key, now)    # the disk failed: fall back to dropping
+        if items:
+            self._demoting = True
+            self._disk_retry_at = now + DISK_RETRY_S
+            self.ssd.writer.jobs.put(Job("append", items, tag=("demote", None, None)))
+
+    def _compact(self) -> None:
+        if self.ssd.compacting:
+            return
+        for seg in self.ssd.reclaimable()[:1]:
+            live = self.ssd.live_records(seg)
+            self.ssd.compacting.add(seg)
+            if not live:
+                self.ssd.delete_segment(seg)
+                continue
+            items = [(k, self._reader(r), r.checksum) for k, r in live]
+            self.ssd.writer.jobs.put(Job("compact", items, tag=("compact", seg, dict(live))))
+
+    def _reader(self, rec):
+        ssd = self.ssd
+        return lambda: ssd.read(rec)     # runs on the writer thread: pread is thread-safe
+
+    def poll_done(self, now: float) -> None:
+        """Apply finished SSD jobs (called by the node loop when the writer wakes it)."""
+        if self.ssd is None:
+            return
+        while True:
+            try:
+                job = self.ssd.writer.done.get_nowait()
+            except queue.Empty:
+                return
+            self.ssd.note_sizes(job.seg_sizes)
+            self._disk_status(job)
+            kind = job.tag[0] if job.tag else job.kind
+            if kind in ("through", "demote"):
+                self._written(job, now, demote=kind == "demote")
+            elif kind == "compact":
+                self._compacted(job)
+
+    def _disk_status(self, job: Job) -> None:
+        if job.error and self._disk_ok:
+            now = time.monotonic()
+            if now >= self._quiet_until:   # a flapping disk is logged once a minute, not per job
+                log.error("ssd tier unusable (%s): demotion drops objects, sync puts fail, reads "
+                          "go on", job.error)
+                self._quiet_until = now + ERROR_LOG_INTERVAL_S
+            self._disk_ok = False
+        elif not job.error and job.result and not self._disk_ok:
+            log.info("ssd tier writable again")
+            self._disk_ok = True
+        if job.error:
+            self.ssd.counters["write_errors"] += 1
+        self.dram.drop_dirty = not self._disk_ok   # with no disk to demote to, drop like a cache
+
+    def _written(self, job: Job, now: float, demote: bool) -> None:
+        written = dict(job.result)
+        for key, _, _ in job.items:
+            obj = self.dram.objects.get(key)
+            rec = written.get(key)
+            if rec is not None and obj is not None and not obj.removed:
+                self.ssd.add(key, rec)
+                obj.on_ssd = True
+                self.ssd.counters["demotions"] += demote
+            elif rec is not None:     # removed while being written: bury the new record too
+                self.ssd.writer.jobs.put(Job("tombstone", [key]))
+            if obj is not None:
+                self.dram.release(obj, now)
+                if demote and obj.on_ssd and key in self.dram.objects and not obj.busy:
+                    self.dram.drop(key, now)
+        if demote:
+            self._demoting = False
+        _, keys, waiter = job.tag
+        if waiter is not None:
+            ok = [written.get(k) is not None or self.ssd.get(k, touch=False) is not None for k in keys]
+            self.finished.append((waiter, ok))
+
+    def _compacted(self, job: Job) -> None:
+        _, seg, before = job.tag
+        for key, rec in job.result:
+            if rec is not None and self.ssd.index.get(key) is before.get(key):
+                self.ssd.add(key, rec)      # moved; a record replaced meanwhile stays
+        if not job.error:
+            for key, rec in self.ssd.live_records(seg):
+                self._lost_on_ssd(key)      # unreadable during compaction
+            self.ssd.delete_segment(seg)
+            self.ssd.counters["compactions"] += 1
+        else:
+            self.ssd.compacting.discard(seg)
+
+    # ------------------------------------------------------------ reporting
+
+    def inventory(self) -> list[tuple[str, int, int]]:
+        items = {k: (o.size, o.checksum) for k, o in self.dram.objects.items()}
+        if self.ssd is not None:
+            for k, r in self.ssd.index.items():
+                items.setdefault(k, (r.size, r.checksum))
+        return [(k, s, c) for k, (s, c) in items.items()]
+
+    def stats(self) -> dict:
+        st = self.dram.stats()
+        st["objects"] = len(self.dram.objects)
+        if self.ssd is not None:
+            st.update(self.ssd.stats())
+            st["objects_total"] = len(set(self.dram.objects) | set(self.ssd.index))
+        else:
+            st["objects_total"] = st["objects"]
+        return st
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            if self.durability != "demote":
+                self.ssd.writer.jobs.put(Job("fsync"))
+            self.ssd.close()
+        self.dram.close()
