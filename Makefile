@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hicache-mc demo
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_store.py
