@@ -143,6 +143,12 @@ class SsdWriter(threading.Thread):
     def _roll(self) -> None:
         if self.fd is not None:
             self._touched[self.seg] = os.fstat(self.fd).st_size
+            if self.dirty:   # a closed segment is a durable one: later fsyncs only see the new fd
+                try:
+                    os.fsync(self.fd)
+                except OSError:
+                    pass
+                self.dirty = False
             os.close(self.fd)
             self.fd = None
             self.seg += 1
