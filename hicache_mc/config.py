@@ -1,7 +1,7 @@
 """Configuration: one frozen dataclass per process role and one loader.
 
 Precedence, lowest first: dataclass defaults < a TOML/JSON file < ``HICACHE_MC_*`` environment
-variables < explicit keyword arguments. Unknown keys and bad values raise ``ConfigError`` naming
+variables (``HICACHE_MC_<ROLE>_<NAME>`` over ``HICACHE_MC_<NAME>``) < explicit keyword arguments. Unknown keys and bad values raise ``ConfigError`` naming
 the key. Sizes accept plain bytes or ``4GiB`` / ``512MiB`` / ``64KB``.
 """
 from __future__ import annotations
@@ -93,9 +93,15 @@ class NodeConfig:
     ssd_low_watermark: float = 0.85
     durability: str = "async"                  # sync | async | demote (see docs/configuration.md)
     ssd_fsync_interval_s: float = 1.0          # async: fsync this often
+    # Mooncake Transfer Engine (transport/mooncake.py): "" = off; "tcp" | "rdma" registers the
+    # DRAM segment with a TE and publishes its address, so remote clients read/write it one-sided.
+    te_protocol: str = ""
+    te_device: str = ""                        # NIC filter, e.g. "mlx5_0,mlx5_1" ("" = all found)
+    te_metadata: str = "P2PHANDSHAKE"          # TE metadata service; P2PHANDSHAKE needs none
 
     def __post_init__(self):
         _check_port(self.port, "port")
+        _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):
             raise ConfigError(f"durability: expected sync, async or demote, got {self.durability!r}")
         if not 0 < self.ssd_low_watermark <= self.ssd_high_watermark <= 1:
@@ -118,16 +124,31 @@ class NodeConfig:
 class ClientConfig:
     """A StoreClient (and the SGLang backend built on it)."""
     master: str = DEFAULT_MASTER
-    transport: str = "auto"            # auto | shm | tcp
+    # auto: shm for a node on this host, mooncake for a remote node that publishes a TE address
+    # (when the TE is installed), else tcp. shm | tcp | mooncake force one (falling back to tcp
+    # where it cannot reach a node).
+    transport: str = "auto"
     timeout_s: float = 5.0             # deadline of every call
     circuit_failures: int = 3          # consecutive failures that open the circuit ...
     circuit_open_s: float = 2.0        # ... for this long (calls answer misses at once)
     verify_checksums: bool = True      # a mismatch is a miss, counted and logged
     token: str = ""
+    # Mooncake transport (used only when it is chosen; see docs/operations.md)
+    te_protocol: str = ""              # "" = what the node publishes; tcp | rdma
+    # NIC filter: "mlx5_0", "mlx5_0,mlx5_1", or a per-rank JSON map {"0": "mlx5_0", "1": "mlx5_1"}
+    # keyed by the local GPU index (torch.cuda.current_device(), else LOCAL_RANK); "*" = default.
+    te_device: str = ""
+    te_metadata: str = "P2PHANDSHAKE"  # must match the nodes'
+    te_hostname: str = ""              # this host's address for the TE ("" = the route to the master)
+    # Registered bounce buffer for caller memory that was not given to register_buffer.
+    te_staging: int = size_field("64MiB")
 
     def __post_init__(self):
-        if self.transport not in ("auto", "shm", "tcp"):
-            raise ConfigError(f"transport: expected auto, shm or tcp, got {self.transport!r}")
+        if self.transport not in ("auto", "shm", "tcp", "mooncake"):
+            raise ConfigError(f"transport: expected auto, shm, tcp or mooncake, got {self.transport!r}")
+        _check_te_protocol(self.te_protocol)
+        if self.te_staging < 1 << 20:
+            raise ConfigError(f"te_staging: at least 1MiB, got {self.te_staging}")
         _check_positive(self.timeout_s, "timeout_s")
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
@@ -137,6 +158,11 @@ class ClientConfig:
 def _check_port(value: int, name: str) -> None:
     if not 0 <= value <= 65535:
         raise ConfigError(f"{name}: expected 0..65535, got {value}")
+
+
+def _check_te_protocol(value: str) -> None:
+    if value not in ("", "tcp", "rdma"):
+        raise ConfigError(f"te_protocol: expected tcp, rdma or empty, got {value!r}")
 
 
 def _check_positive(value: float, name: str) -> None:
@@ -160,7 +186,10 @@ def load_config(cls: type[T], file: Optional[str] = None, env: Optional[Mapping[
         values.update(_read_file(file, section, fields))
     env = os.environ if env is None else env
     for name in fields:
-        raw = env.get(ENV_PREFIX + name.upper())
+        # HICACHE_MC_NODE_PORT targets one role; HICACHE_MC_PORT every role that has a port
+        raw = env.get(f"{ENV_PREFIX}{section.upper()}_{name.upper()}") if section else None
+        if raw is None:
+            raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw
     for name, value in explicit.items():

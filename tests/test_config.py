@@ -59,3 +59,18 @@ def test_configs_are_frozen():
     cfg = MasterConfig()
     with pytest.raises(Exception):
         cfg.port = 1
+
+
+def test_role_specific_env_wins():
+    env = {"HICACHE_MC_PORT": "7001", "HICACHE_MC_NODE_PORT": "7002"}
+    assert load_config(NodeConfig, env=env, section="node").port == 7002
+    assert load_config(MasterConfig, env=env, section="master").port == 7001
+
+
+def test_every_setting_is_documented():
+    import dataclasses
+    import os
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
+    for cls in (MasterConfig, NodeConfig, ClientConfig):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name} is missing from docs/configuration.md"
