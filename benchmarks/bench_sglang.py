@@ -1,10 +1,13 @@
 """SGLang page stream: hicache-mc's v1 path against SGLang's own ``file`` backend, same pages.
 
     python benchmarks/bench_sglang.py [--layers 32] [--batch 128] [--iters 3] [--layout page_first]
+                                      [--paths direct,controller] [--transports shm,tcp]
 
 A real ``MHATokenToKVPoolHost`` shaped like Llama-3-8B at TP1 (32 layers, 8 KV heads, head dim
 128, bf16, page 64: 8 MiB per page, K and V 4 MiB each) holds one batch of random pages. Each
-iteration stores the batch and loads it into other host slots, the way SGLang's controller does:
+iteration stores the batch and loads it into other host slots, two ways:
+
+``direct``: the backend calls, made the way SGLang's controller makes them:
 
 - hicache-mc: ``batch_set_v1`` / ``batch_get_v1`` of the batch (128 pages = one controller
   chunk), with the ``shm`` and the ``tcp`` transport, against ``hicache-mc serve`` in another
@@ -13,6 +16,11 @@ iteration stores the batch and loads it into other host slots, the way SGLang's 
   ``batch_set`` of ``get_data_page`` pages; ``_generic_page_get``: ``batch_get`` into dummy flat
   pages, then ``set_from_flat_data_page``), reading once with its files in the page cache and
   once after ``fsync`` + ``posix_fadvise(DONTNEED)`` has pushed them out.
+
+``controller``: SGLang's own ``HybridCacheController`` (what the prefill-side radix cache builds)
+with each backend attached in turn: ``write_storage`` until the backup ack (backup thread), and a
+prefetch of the same tokens from submission through the hit query (prefetch thread), the page
+transfer (I/O thread) to the final ack (sync thread); the benchmark plays the scheduler.
 
 Every load is checked byte for byte. Reports GB/s (median over iterations), and the ratio of
 hicache-mc to the file backend. Memory: about 6 x the batch (1 GiB at the default shape): 2 of
@@ -156,6 +164,134 @@ def memcpy_s(pool, src, dst, iters) -> list[float]:
     return times
 
 
+# ------------------------------------------------------------------ through SGLang's controller
+
+def build_controller(args, pool_pages: int, backend: str, extra: dict):
+    """SGLang's HybridCacheController (what the prefill-side radix cache builds) over a
+    Llama-shaped host pool, with ``backend`` attached; the caller plays the scheduler."""
+    import threading
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+    # The scheduler publishes the parallel layout before attaching storage; one rank here.
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                        attn_dcp_size=1, attn_dcp_rank=0)
+    ps, layers = args.page_size, args.layers
+    dev = MHATokenToKVPool(size=2 * ps, page_size=ps, dtype=torch.bfloat16, head_num=args.heads,
+                           head_dim=args.head_dim, layer_num=layers, device="cpu",
+                           enable_memory_saver=False, start_layer=0, end_layer=layers - 1)
+    host = MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps, args.layout, pin_memory=False,
+        device="cpu", device_capacity_tokens=dev.size, start_layer=0, end_layer=layers - 1,
+        host_token_capacity=pool_pages * ps)
+    group = HostPoolGroup([build_pool_entry(name=PoolName.KV, host_pool=host, device_pool=dev,
+                                            layer_mapping={i: i for i in range(layers)},
+                                            transfer_layer_id_max=layers, is_anchor=True)])
+    allocator = PagedTokenToKVPoolAllocator(2 * ps, ps, torch.bfloat16, "cpu", dev, need_sort=False)
+    return HybridCacheController(
+        allocator, group, ps, None, threading.Event(), write_policy="write_through",
+        io_backend="direct", storage_backend=backend, prefetch_threshold=ps,
+        model_name="bench/llama-3-8b", storage_backend_extra_config=dict(extra),
+        transfer_layer_id_max=layers)
+
+
+def run_controller(ctl, src, dst, tokens, iters, file_dir=None) -> dict:
+    """Backup (write_storage -> backup ack) and prefetch (hit query -> page transfer -> final
+    ack) of one request of ``len(tokens)`` tokens, timed from submission to the last ack."""
+    from array import array
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_hash_str
+    host, ps = ctl.storage_host_pool, ctl.page_size
+    hashes = list(get_hash_str(tokens, None, page_size=ps))
+    out = {"put_s": [], "get_s": []}
+    if file_dir:
+        out["cold_get_s"] = []
+
+    def prefetch(rid: str) -> float:
+        poison(host, dst)
+        t0 = time.perf_counter()
+        op = ctl.submit_prefetch(CacheRequestHandle(rid, 0), RadixKey(array("q", tokens)),
+                                 None, None, None, None).operation
+        assert ctl.prefetch_hit_queue.get(timeout=300) is op and op.storage_hit_count == len(tokens)
+        op.host_indices = dst          # the scheduler's alloc_prefetch_host_buffers, pre-allocated
+        ctl.prefetch_buffer.put(op)
+        loaded = 0
+        while True:   # cumulative acks per 128-page chunk, then completed_req
+            ack = ctl.ack_prefetch_queue.get(timeout=300)
+            loaded = ack.completed_tokens if ack.completed_tokens is not None else loaded
+            if ack.completed_req:
+                break
+        took = time.perf_counter() - t0
+        assert loaded == len(tokens) and same_pages(host, src, dst), rid
+        return took
+
+    for it in range(iters):
+        ctl.storage_backend.clear()
+        t0 = time.perf_counter()
+        ctl.write_storage(src, tokens, hash_value=hashes)
+        op = ctl.ack_backup_queue.get(timeout=300)
+        out["put_s"].append(time.perf_counter() - t0)
+        assert op.completed_tokens == len(tokens), "backup incomplete"
+        out["get_s"].append(prefetch(f"warm-{it}"))
+        if file_dir:
+            evict_page_cache(file_dir)
+            out["cold_get_s"].append(prefetch(f"cold-{it}"))
+    ctl.storage_backend.clear()
+    ctl.detach_storage_backend()
+    return out
+
+
+def controller_phase(args, master, file_dir, tokens) -> dict:
+    import torch
+    results = {}
+    backends = [(f"hicache-mc ({t})", "dynamic", {
+        "backend_name": "hicache_mc", "module_path": "hicache_mc.sglang", "class_name": "HiCacheMC",
+        "interface_v1": 1, "master": master, "transport": t, "timeout_s": 120})
+        for t in args.transports.split(",")]
+    backends.append(("file", "file", {"file_storage_path": file_dir}))
+    ctl = None
+    for name, backend, extra in backends:
+        if ctl is None:
+            ctl = build_controller(args, 2 * args.batch, backend, extra)
+            host = ctl.storage_host_pool
+            src = host.alloc(args.batch * args.page_size)
+            dst = host.alloc(args.batch * args.page_size)
+            host.kv_buffer.view(-1).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(2))
+        else:   # same pool and pages, next backend (SGLang's runtime attach)
+            ctl.attach_storage_backend(backend, args.page_size, "bench/llama-3-8b", dict(extra),
+                                       host_pools=ctl.mem_pool_host.entries)
+        results[name] = run_controller(ctl, src, dst, tokens, args.iters,
+                                       file_dir if backend == "file" else None)
+    return results
+
+
+# ------------------------------------------------------------------ report
+
+def rows_for(results: dict, batch_bytes: int, path: str) -> list[dict]:
+    gbps = {name: {k[:-2]: batch_bytes / median(v) / 1e9 for k, v in r.items()}
+            for name, r in results.items()}
+    f = gbps["file"]
+    rows = []
+    if "memcpy" in gbps:
+        rows.append({"path": path, "backend": "memcpy (host pool to host pool)",
+                     "put_gbps": gbps["memcpy"]["put"]})
+    for name, g in gbps.items():
+        if name.startswith("hicache-mc"):
+            rows.append({"path": path, "backend": name, "put_gbps": g["put"], "get_gbps": g["get"],
+                         "put_x_file": g["put"] / f["put"], "get_x_file": g["get"] / f["get"],
+                         "get_x_file_cold": g["get"] / f["cold_get"]})
+    rows.append({"path": path, "backend": "file (SGLang HiCacheFile, generic)", "put_gbps": f["put"],
+                 "get_gbps": f["get"], "cold_get_gbps": f["cold_get"]})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -167,6 +303,8 @@ def main():
     ap.add_argument("--layout", default="page_first",
                     choices=["page_first", "page_first_direct", "page_head", "layer_first"])
     ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--paths", default="direct,controller",
+                    help="direct: backend calls; controller: through SGLang's HybridCacheController")
     ap.add_argument("--file-dir", default=None, help="on a real disk, not tmpfs (default: a temp dir "
                     "under ~/.cache)")
     args = ap.parse_args()
@@ -175,52 +313,57 @@ def main():
     import torch
     from sglang.srt.mem_cache.utils import get_hash_str
 
-    pool = build_pool(args, 2 * args.batch)
-    src, dst = pool.alloc(args.batch * args.page_size), pool.alloc(args.batch * args.page_size)
-    pool.kv_buffer.view(-1).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
-    tokens = torch.randint(0, 128_000, (args.batch * args.page_size,), generator=torch.Generator().manual_seed(1))
-    keys = list(get_hash_str(tokens.tolist(), None, page_size=args.page_size))
-    page_bytes = pool.get_size_per_token() * args.page_size
+    tokens = torch.randint(0, 128_000, (args.batch * args.page_size,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    keys = list(get_hash_str(tokens, None, page_size=args.page_size))
+    page_bytes = 2 * args.layers * args.heads * args.head_dim * 2 * args.page_size
     batch_bytes = page_bytes * args.batch
     print(f"{args.layers} layers x {args.heads} heads x {args.head_dim} dim, bf16, page {args.page_size}, "
           f"{args.layout}: {page_bytes / 2**20:.1f} MiB/page, {args.batch} pages = "
           f"{batch_bytes / 2**30:.2f} GiB per call, {args.iters} iterations")
 
-    results = {"memcpy": {"put_s": memcpy_s(pool, src, dst, args.iters)}}
-    # Two batches: after clear() the slots just read stay quarantined for one lease (2 s) before
-    # reuse, so the next iteration writes into the other half.
-    dram = f"{int(batch_bytes * 2 / 2**20) + 256}MiB"
-    with store_process(dram) as master:
-        for transport in args.transports.split(","):
-            results[f"hicache-mc ({transport})"] = run_hicache_mc(pool, src, dst, keys, master,
-                                                                  transport, args.iters)
     base = args.file_dir or os.path.join(os.path.expanduser("~"), ".cache")
     os.makedirs(base, exist_ok=True)
     file_dir = tempfile.mkdtemp(prefix="hicache-file-bench-", dir=base)
+    paths = args.paths.split(",")
+    results, rows = {}, []
+    # Two batches: after clear() the slots just read stay quarantined for one lease (2 s) before
+    # reuse, so the next iteration writes into the other half.
+    dram = f"{int(batch_bytes * 2 / 2**20) + 256}MiB"
     try:
-        results["file"] = run_file(pool, src, dst, keys, args.iters, file_dir)
+        with store_process(dram) as master:
+            if "direct" in paths:
+                results["direct"] = direct_phase(args, master, file_dir, keys)
+                rows += rows_for(results["direct"], batch_bytes, "direct")
+            if "controller" in paths:
+                results["controller"] = controller_phase(args, master, file_dir, tokens)
+                rows += rows_for(results["controller"], batch_bytes, "controller")
     finally:
         shutil.rmtree(file_dir, ignore_errors=True)
 
-    gbps = {name: {k[:-2]: batch_bytes / median(v) / 1e9 for k, v in r.items()}
-            for name, r in results.items()}
-    f = gbps["file"]
-    rows = [{"backend": "memcpy (host pool to host pool)", "put_gbps": gbps["memcpy"]["put"]}]
-    for name, g in gbps.items():
-        if name.startswith("hicache-mc"):
-            rows.append({"backend": name, "put_gbps": g["put"], "get_gbps": g["get"],
-                         "put_x_file": g["put"] / f["put"], "get_x_file": g["get"] / f["get"],
-                         "get_x_file_cold": g["get"] / f["cold_get"]})
-    rows.append({"backend": "file (SGLang HiCacheFile, generic)", "put_gbps": f["put"],
-                 "get_gbps": f["get"], "cold_get_gbps": f["cold_get"]})
-    print(table(rows, [("backend", ""), ("put_gbps", ".2f"), ("get_gbps", ".2f"),
+    print(table(rows, [("path", ""), ("backend", ""), ("put_gbps", ".2f"), ("get_gbps", ".2f"),
                        ("cold_get_gbps", ".2f"), ("put_x_file", ".2f"), ("get_x_file", ".2f"),
                        ("get_x_file_cold", ".2f")]))
-    print("get_x_file: file pages in the page cache; get_x_file_cold: after fadvise(DONTNEED)")
+    print("direct: backend calls as the controller makes them; controller: SGLang's "
+          "HybridCacheController threads, submission to last ack.\nput = backup, get = prefetch; "
+          "get_x_file: file pages in the page cache; get_x_file_cold: after fadvise(DONTNEED)")
     path = write_json("bench_sglang.json", {"args": vars(args), "page_bytes": page_bytes,
                                             "batch_bytes": batch_bytes, "rows": rows,
                                             "seconds": results})
     print("wrote", path)
+
+
+def direct_phase(args, master, file_dir, keys) -> dict:
+    import torch
+    pool = build_pool(args, 2 * args.batch)
+    src, dst = pool.alloc(args.batch * args.page_size), pool.alloc(args.batch * args.page_size)
+    pool.kv_buffer.view(-1).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
+    results = {"memcpy": {"put_s": memcpy_s(pool, src, dst, args.iters)}}
+    for transport in args.transports.split(","):
+        results[f"hicache-mc ({transport})"] = run_hicache_mc(pool, src, dst, keys, master,
+                                                              transport, args.iters)
+    results["file"] = run_file(pool, src, dst, keys, args.iters, file_dir)
+    return results
 
 
 if __name__ == "__main__":
