@@ -17,14 +17,14 @@ log = logging.getLogger("hicache_mc")
 
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=args.token)
+                       port=args.port, token=args.token, metrics_port=args.metrics_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
-                       durability=args.durability)
+                       durability=args.durability, metrics_port=args.node_metrics_port)
 
 
 def node_options(sp) -> None:
@@ -34,6 +34,8 @@ def node_options(sp) -> None:
     sp.add_argument("--ssd-dir", help="SSD tier folder (default <data_dir>/ssd)")
     sp.add_argument("--durability", choices=["sync", "async", "demote"],
                     help="when writes reach the SSD tier (default async)")
+    sp.add_argument("--node-metrics-port", type=int,
+                    help="Prometheus /metrics port of the node (default 0: off)")
 
 
 def run_services(services) -> None:
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="master port (default 7370)")
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port of the master (default 0: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -146,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 0: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")

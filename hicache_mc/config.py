@@ -56,10 +56,13 @@ class MasterConfig:
     port: int = 7370
     heartbeat_interval_s: float = 1.0  # nodes heartbeat this often
     liveness: int = 3                  # a node missing this many heartbeats is dropped
-    token: str = ""                    # shared secret every request must carry ("" = none)
+    token: str = ""                    # shared secret every request must carry ("" = none; "@FILE" reads it)
+    metrics_port: int = 0              # Prometheus /metrics (0 = off)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self):
         _check_port(self.port, "port")
+        _check_port(self.metrics_port, "metrics_port")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
 
@@ -85,6 +88,8 @@ class NodeConfig:
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
     token: str = ""
+    metrics_port: int = 0                      # Prometheus /metrics (0 = off)
+    metrics_host: str = "127.0.0.1"
     # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
     ssd: int = size_field("0")                 # SSD tier capacity (0 = no SSD tier)
     ssd_dir: str = ""                          # "" = <data_dir>/ssd
@@ -101,6 +106,7 @@ class NodeConfig:
 
     def __post_init__(self):
         _check_port(self.port, "port")
+        _check_port(self.metrics_port, "metrics_port")
         _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):
             raise ConfigError(f"durability: expected sync, async or demote, got {self.durability!r}")
@@ -236,6 +242,12 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
     name, typ = f.name, f.type
     if f.metadata.get("size"):
         return parse_size(value, name)
+    if name == "token" and isinstance(value, str) and value.startswith("@"):
+        try:   # a token kept in a file stays out of process listings and shell history
+            with open(value[1:]) as fh:
+                return fh.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"token: cannot read {value[1:]!r}: {exc.strerror}") from None
     try:
         if typ in ("bool", bool):
             if isinstance(value, bool):

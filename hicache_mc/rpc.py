@@ -10,6 +10,7 @@ server is picked up and stale replies are dropped. Not thread-safe: one per thre
 """
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import threading
@@ -20,6 +21,7 @@ import zmq
 
 from . import protocol as P
 from .errors import ProtocolError, StoreUnavailable
+from .metrics import Histogram, MetricsServer, render
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,24 @@ class Service:
         self.name = name
         self.stopping = threading.Event()
         self._extra: list[tuple[zmq.Socket, Callable[[], None]]] = []
+        self.latency: dict[str, Histogram] = {}     # handling time per request type
+        self.rejected: dict[str, int] = {}          # error replies per code
+        self._metrics: Optional[MetricsServer] = None
+        self._metrics_text = ""
+        self._next_publish = 0.0
+        self._quiet: dict[str, float] = {}
+        if exposed_without_token(bind, token):
+            log.warning("%s binds %s without a token: anyone who reaches it can read and write "
+                        "the store (set token)", name, bind)
+
+    def enable_metrics(self, host: str, port: int) -> None:
+        """Serve Prometheus metrics on http://host:port/metrics (port 0 = off)."""
+        if port:
+            self._metrics = MetricsServer(host, port, lambda: self._metrics_text)
+
+    def metric_families(self) -> list:
+        """The service's metric families (built on the loop thread); see hicache_mc/metrics.py."""
+        return []
 
     def add_socket(self, sock, on_readable: Callable[[], None]) -> None:
         """Poll another socket or file descriptor in the same loop (the node's channel to
@@ -70,7 +90,11 @@ class Service:
                 for sock, handler in self._extra:
                     if sock in events:
                         handler()
-                self.tick(time.monotonic())
+                now = time.monotonic()
+                self.tick(now)
+                if self._metrics is not None and now >= self._next_publish:
+                    self._next_publish = now + 1.0
+                    self._metrics_text = render(self.metric_families())
             except zmq.ContextTerminated:
                 break
             except Exception:  # a bug in one request must not stop the service
@@ -82,11 +106,20 @@ class Service:
         self.stopping.set()
 
     def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         self.sock.close(0)
         for sock, _ in self._extra:
             if isinstance(sock, zmq.Socket):
                 sock.close(0)
         self.ctx.term()
+
+    def _warn(self, what: str, fmt: str, *args) -> None:
+        """A log line per kind of bad request, at most once a second: a flood stays readable."""
+        now = time.monotonic()
+        if now >= self._quiet.get(what, 0.0):
+            self._quiet[what] = now + 1.0
+            log.warning(fmt, *args)
 
     def reply(self, ident: bytes, req_id: int, msg: P.Message, payload: Optional[list] = None) -> None:
         self.sock.send_multipart([ident] + P.encode(msg, req_id, payload=payload), copy=False)
@@ -100,15 +133,23 @@ class Service:
                 raise ProtocolError("message has no header frame")
             type_name, req_id, token, values = P.decode_header(frames[1])
             if self.token and token != self.token:
+                self._warn("bad_token", "%s: refused a request with a missing or wrong token", self.name)
+                self.rejected["bad_token"] = self.rejected.get("bad_token", 0) + 1
                 self.reply(ident, req_id, P.ErrorReply("bad_token", "missing or wrong token"))
                 return
             msg = P.build(type_name, values)
             handler = getattr(self, "on_" + type_name, None)
             if handler is None or not type_name.endswith("Request"):
                 raise ProtocolError(f"{self.name} does not serve {type_name}", code="unknown_type")
+            t0 = time.perf_counter()
             out = handler(msg, frames[2:], ident, req_id)
+            hist = self.latency.get(type_name)
+            if hist is None:
+                hist = self.latency[type_name] = Histogram()
+            hist.observe(time.perf_counter() - t0)
         except ProtocolError as exc:
-            log.warning("%s: rejected request: %s", self.name, exc)
+            self._warn(exc.code, "%s: rejected request: %s", self.name, exc)
+            self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
             self.reply(ident, req_id, P.ErrorReply(exc.code, str(exc)))
             return
         except Exception as exc:
@@ -118,6 +159,24 @@ class Service:
         if out is not None:
             msg, payload = out
             self.reply(ident, req_id, msg, payload)
+
+
+def host_of(address: str) -> str:
+    """'127.0.0.1' of 'tcp://127.0.0.1:7370'."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def exposed_without_token(bind: str, token: str) -> bool:
+    """True when a server would listen beyond loopback with no token to check."""
+    if token:
+        return False
+    host = host_of(bind)
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:      # a host name or interface name: not provably loopback
+        return True
 
 
 _ids = itertools.count(1)

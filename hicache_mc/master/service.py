@@ -12,11 +12,14 @@ import uuid
 
 from .. import protocol as P
 from ..config import MasterConfig
+from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
 from .index import KeyIndex, NodeSlots
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
+
+MAX_NAMESPACES = 1000   # per-namespace counters kept; the rest are summed under "(other)"
 
 
 class MasterService(Service):
@@ -33,6 +36,8 @@ class MasterService(Service):
                          "hits": 0, "misses": 0, "placed": 0, "deduplicated": 0,
                          "committed": 0, "evicted": 0, "nodes_expired": 0}
         self._next_expiry = 0.0
+        self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
+        self.enable_metrics(config.metrics_host, config.metrics_port)
 
     # -------------------------------------------------------------- timers
 
@@ -66,7 +71,19 @@ class MasterService(Service):
                 nodes[node_id] = self.registry.nodes[node_id].info.to_dict()
         self.counters["hits"] += len(entries)
         self.counters["misses"] += len(msg.keys) - len(entries)
+        self._count_namespaces(msg.keys, len(entries))
         return P.LocateReply(entries, nodes), None
+
+    def _count_namespaces(self, keys: list[str], hits: int) -> None:
+        """Hits and misses per key namespace (the part before the first '/')."""
+        for i, key in enumerate(keys):
+            ns = key.split("/", 1)[0] if "/" in key else ""
+            row = self.by_namespace.get(ns)
+            if row is None:
+                if len(self.by_namespace) >= MAX_NAMESPACES:
+                    ns = "(other)"
+                row = self.by_namespace.setdefault(ns, [0, 0])
+            row[0 if i < hits else 1] += 1
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
@@ -129,3 +146,33 @@ class MasterService(Service):
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
         self.counters["evicted"] += removed
         return P.OkReply(), None
+
+    # -------------------------------------------------------------- metrics
+
+    def metric_families(self) -> list:
+        now = time.monotonic()
+        nodes = list(self.registry.nodes.values())
+        fams = [gauge("hicache_mc_master_keys", "keys in the master index", len(self.index)),
+                gauge("hicache_mc_master_nodes", "live storage nodes", len(nodes))]
+        live = gauge("hicache_mc_node_heartbeat_age_seconds", "seconds since each node's last heartbeat")
+        cap = gauge("hicache_mc_node_capacity_bytes", "DRAM capacity per node")
+        used = gauge("hicache_mc_node_used_bytes", "DRAM bytes in use per node")
+        for st in nodes:
+            live.add(round(now - st.last_seen, 3), node=st.info.node_id)
+            cap.add(st.info.capacity, node=st.info.node_id)
+            used.add(int(st.stats.get("used", 0)), node=st.info.node_id)
+        fams += [live, cap, used]
+        for name, value in self.counters.items():
+            fams.append(counter(f"hicache_mc_master_{name}_total", f"master {name.replace('_', ' ')}", value))
+        hits = counter("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace")
+        misses = counter("hicache_mc_lookup_misses_total", "keys not found by Locate, per key namespace")
+        for ns, (h, m) in self.by_namespace.items():
+            hits.add(h, namespace=ns)
+            misses.add(m, namespace=ns)
+        rejected = counter("hicache_mc_master_rejected_total", "error replies to bad requests, per code")
+        for code, n in self.rejected.items():
+            rejected.add(n, code=code)
+        fams += [hits, misses, rejected,
+                 histogram_family("hicache_mc_master_request_seconds", "request handling time",
+                                  "type", self.latency)]
+        return fams

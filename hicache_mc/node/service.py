@@ -18,6 +18,7 @@ import zmq
 
 from .. import protocol as P
 from ..config import NodeConfig
+from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
 from ..transport.shm import host_identity
 from .dram import DramTier
@@ -81,6 +82,7 @@ class StorageNode(Service):
         self._next_heartbeat = 0.0
         self._next_register = 0.0
         self._last_master_reply = time.monotonic()
+        self.enable_metrics(config.metrics_host, config.metrics_port)
         self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0, "bytes_out": 0}
 
     # -------------------------------------------------------------- ssd writer
@@ -270,6 +272,38 @@ class StorageNode(Service):
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
         self._to_master(P.EvictedRequest(self.node_id, gone), (ident, req_id, P.ClearReply(len(gone)), failed))
         return None
+
+    def metric_families(self) -> list:
+        st = self.stats()
+        node = self.node_id
+        fams = []
+        gauges = {"capacity": ("dram_capacity_bytes", "DRAM tier capacity"),
+                  "used": ("dram_used_bytes", "DRAM tier bytes in use"),
+                  "objects": ("dram_objects", "objects in the DRAM tier"),
+                  "ssd_capacity": ("ssd_capacity_bytes", "SSD tier capacity"),
+                  "ssd_used": ("ssd_used_bytes", "SSD tier bytes on disk"),
+                  "ssd_live": ("ssd_live_bytes", "SSD tier bytes of live records"),
+                  "ssd_objects": ("ssd_objects", "objects in the SSD tier"),
+                  "objects_total": ("objects", "objects on this node, any tier")}
+        for key, (name, help_) in gauges.items():
+            if key in st:
+                fams.append(gauge(f"hicache_mc_node_{name}", help_, st[key], node=node))
+        counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
+                    "read_hits": "keys served", "writes": "objects committed",
+                    "bytes_in": "object bytes written", "bytes_out": "object bytes sent over tcp",
+                    "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
+                    "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
+                    "ssd_corrupt": "damaged SSD records found (checksum failures)",
+                    "ssd_write_errors": "failed SSD writes"}
+        for key, help_ in counters.items():
+            if key in st:
+                fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
+        rejected = counter("hicache_mc_node_rejected_total", "error replies to bad requests, per code")
+        for code, n in self.rejected.items():
+            rejected.add(n, code=code, node=node)
+        fams += [rejected, histogram_family("hicache_mc_node_request_seconds", "request handling time",
+                                            "type", self.latency)]
+        return fams
 
     def on_NodeStatsRequest(self, msg, payload, ident, req_id):
         return P.StatsReply({"node_id": self.node_id, **self.stats()}), None
