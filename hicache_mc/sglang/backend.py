@@ -59,18 +59,28 @@ class HiCacheMC(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         geo = describe_pool(mem_pool_host)
         if not geo.zero_copy:
-            self._stager = ChunkStager(mem_pool_host.kv_buffer, geo)
+            self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
         self.geometry = geo
         self.namespace = self._namespace(mem_pool_host, geo)
-        register = getattr(self.client, "register_buffer", None)
-        if register is not None:  # transports that need registered memory (mooncake)
-            for t in mem_pool_host.get_hybrid_pool_buffer():
-                register(t.data_ptr(), t.numel() * t.element_size())
+        if geo.zero_copy:   # the store reads / writes these directly
+            buffers = getattr(mem_pool_host, "get_hybrid_pool_buffer", None)
+            for t in (buffers() if buffers else [mem_pool_host.kv_buffer]):
+                self._register(t.data_ptr(), t.numel() * t.element_size())
         logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s, "
                     "namespace %s, master %s", geo.kind.upper(), geo.layout, geo.page_size,
                     "/".join(geo.parts), "/".join(map(str, geo.part_bytes)),
                     "" if geo.zero_copy else f" (staged from {geo.chunks} chunks)",
                     self.namespace, self.client_config.master)
+
+    def _register(self, ptr: int, size: int) -> None:
+        """Register memory the transport touches (Mooncake TE); a failure only costs speed."""
+        register = getattr(self.client, "register_buffer", None)
+        if register is None:
+            return
+        try:
+            register(ptr, size)
+        except Exception as exc:
+            self.episodes.failed("register_buffer", exc)
 
     def on_host_pools_registered(self) -> None:
         """Refuse hybrid-model sidecar pools (Mamba, SWA, indexer): only KV pages are stored."""
