@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 from ..config import ClientConfig, load_config
 from ..errors import ConfigError
+from ..keys import KVNamespace
 
 # Read by SGLang's StorageBackendFactory / HiCacheController, never by us.
 FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
@@ -54,4 +55,8 @@ def load_settings(extra: Optional[Mapping[str, Any]],
                          **{k: v for k, v in extra.items() if k in client_fields})
     adapter = load_config(AdapterSettings, env=env,
                           **{k: v for k, v in extra.items() if k in adapter_fields})
+    try:   # the key module owns the tenant rules (the store reads the tenant from keys)
+        KVNamespace(model="", kv_dtype="", layout="", page_size=1, tenant=adapter.tenant).digest()
+    except ValueError as exc:
+        raise ConfigError(f"tenant: {exc}") from None
     return client, adapter

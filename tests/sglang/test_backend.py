@@ -27,7 +27,8 @@ def test_factory_loads_hicache_mc(shared_store):
 
 @pytest.mark.parametrize("extra, name", [({"mastr": "tcp://x:1"}, "mastr"),
                                          ({"timeout_s": "soon"}, "timeout_s"),
-                                         ({"transport": "carrier-pigeon"}, "transport")])
+                                         ({"transport": "carrier-pigeon"}, "transport"),
+                                         ({"tenant": "a b/c"}, "tenant")])
 def test_bad_settings_fail_start_naming_the_key(shared_store, extra, name):
     cfg = storage_config(shared_store.master, **extra)
     with pytest.raises(ConfigError, match=name):
