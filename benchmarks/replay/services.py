@@ -1,0 +1,165 @@
+"""The L3 stores of a replay, each started fresh in its own processes on 127.0.0.1.
+
+- hicache-mc: ``hicache-mc serve`` (master + one node: DRAM tier, optional SSD tier).
+- Mooncake Store: ``mooncake_master`` plus a holder process that contributes the memory
+  segment (``MooncakeDistributedStore.setup`` with ``global_segment_size`` = the capacity),
+  as in docs section 3 of the Mooncake reference; instances are pure clients.
+
+Each context manager yields a ``Store``: the spec instances open (``backends.open_l3``) and a
+``stats()`` of the store's own counters, read before it stops.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from common import free_port  # noqa: E402
+
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Store:
+    spec: dict
+    stats: Callable[[], dict] = field(default=lambda: {})
+
+
+@contextmanager
+def no_store():
+    yield Store({"kind": "none"})
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.stdin:
+        p.stdin.close()             # a holder's signal to close its client and exit
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+@contextmanager
+def hicache_store(dram: int, ssd: int = 0, transport: str = "auto", log_dir: str = ""):
+    """``hicache-mc serve`` with ``dram`` bytes of DRAM (at least 1 MiB) and ``ssd`` of SSD."""
+    from hicache_mc.client import StoreClient
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="replay-hicache-")
+    args = [sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
+            "--dram", str(max(dram, 1 << 20)), "--ssd-dir", os.path.join(tmp, "ssd")]
+    if ssd:
+        args += ["--ssd", str(ssd)]
+    log = open(os.path.join(log_dir or tmp, f"serve-{port}.log"), "ab")
+    # data_dir: the node's files stay in the temporary folder, removed afterwards
+    env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp)
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    master = f"tcp://127.0.0.1:{port}"
+    try:
+        with StoreClient(master, timeout_s=5) as c:
+            end = time.monotonic() + START_TIMEOUT_S
+            while not ((c.stats()["cluster"] or {}).get("nodes")):
+                if time.monotonic() > end or p.poll() is not None:
+                    raise RuntimeError(f"hicache-mc serve did not start (log in {log.name})")
+                time.sleep(0.1)
+
+            def stats() -> dict:
+                cl = c.stats()["cluster"] or {}
+                node = (cl.get("nodes") or [{}])[0]
+                keep = ("objects", "objects_total", "used", "capacity", "evictions", "demotions",
+                        "promotions", "ssd_used", "ssd_objects", "ssd_evictions")
+                return {"keys": cl.get("keys"), **{k: node[k] for k in keep if k in node}}
+            yield Store({"kind": "hicache-mc", "master": master, "transport": transport}, stats)
+    finally:
+        _stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def mooncake_master_binary() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    found = here if os.path.exists(here) else shutil.which("mooncake_master")
+    if not found:
+        raise RuntimeError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda")
+    return found
+
+
+@contextmanager
+def mooncake_store(capacity: int, log_dir: str = ""):
+    """``mooncake_master`` (default flags, loopback) and one holder of ``capacity`` bytes."""
+    rpc, metrics = free_port(), free_port()
+    tmp = tempfile.mkdtemp(prefix="replay-mooncake-")
+    logs = log_dir or tmp
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(os.path.join(logs, f"mooncake-master-{rpc}.log"), "ab") as log:
+            procs.append(subprocess.Popen(
+                [mooncake_master_binary(), f"--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                 "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+                stdout=log, stderr=subprocess.STDOUT))
+        master = f"127.0.0.1:{rpc}"
+        _wait_http(f"http://127.0.0.1:{metrics}/health", procs[0])
+        with open(os.path.join(logs, f"mooncake-holder-{rpc}.log"), "ab") as log:
+            holder = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "mooncake_holder.py"), master, str(capacity)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        procs.append(holder)
+        line = holder.stdout.readline().decode().strip()
+        if line != "ready":
+            raise RuntimeError(f"Mooncake holder did not start ({line!r}; log in {logs})")
+
+        def stats() -> dict:
+            return _mooncake_summary(f"http://127.0.0.1:{metrics}/metrics/summary")
+        yield Store({"kind": "mooncake", "master": master}, stats)
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_http(url: str, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > end or proc.poll() is not None:
+                raise RuntimeError(f"{url} did not answer")
+            time.sleep(0.1)
+
+
+def _mooncake_summary(url: str) -> dict:
+    """Keys held and memory evictions from the master's one-line summary."""
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    m = re.search(r"Keys: (\d+)", text)
+    if m:
+        out["keys"] = int(m.group(1))
+    m = re.search(r"Mem Eviction: Success/Attempts=(\d+)/(\d+), keys=(\d+)", text)
+    if m:
+        out["eviction_rounds"] = int(m.group(1))
+        out["evictions"] = int(m.group(3))
+    m = re.search(r"Mem Storage: ([^|]+?) \|", text)
+    if m:
+        out["mem_storage"] = m.group(1).strip()
+    return out
