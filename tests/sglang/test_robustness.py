@@ -1,6 +1,7 @@
 """Two instances, SGLang's concurrent threads, and a store that goes away and comes back."""
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -107,7 +108,8 @@ def test_three_threads_at_once_read_back_every_page_right(shared_store):
         backend.close()
 
 
-def test_store_down_gives_quick_misses_and_store_back_gives_hits(store):
+def test_store_down_gives_quick_misses_and_store_back_gives_hits(store, caplog):
+    caplog.set_level(logging.INFO, logger="hicache_mc.sglang")
     pool = mha_host("page_first")
     backend = make_backend(pool, store.master, timeout_s=1.0, circuit_open_s=0.3)
     keys = page_hashes(3, pool.page_size)
@@ -124,6 +126,9 @@ def test_store_down_gives_quick_misses_and_store_back_gives_hits(store):
         assert backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys]) == [None] * 3
         assert time.monotonic() - t0 < 4 * 1.0 + 1.0      # each call within its 1 s deadline
 
+    failures = [r for r in caplog.records if "batch_set_v1 failed" in r.getMessage()]
+    assert len(failures) == 1                             # one line per failure episode
+
     store.start()          # same port; an empty store: write again, then read, same backend
     deadline = time.monotonic() + 20
     while backend.batch_set_v1(keys, src) != [True] * 3:
@@ -133,4 +138,5 @@ def test_store_down_gives_quick_misses_and_store_back_gives_hits(store):
     assert backend.batch_get_v1(keys, dst) == [True] * 3
     for w, g in zip(page_bytes(pool, src), page_bytes(pool, dst)):
         assert torch.equal(w, g)
+    assert any("batch_set_v1 recovered" in r.getMessage() for r in caplog.records)
     backend.close()
