@@ -59,12 +59,17 @@ class MasterConfig:
     token: str = ""                    # shared secret every request must carry ("" = none; "@FILE" reads it)
     metrics_port: int = 0              # Prometheus /metrics (0 = off)
     metrics_host: str = "127.0.0.1"
+    tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
 
     def __post_init__(self):
         _check_port(self.port, "port")
         _check_port(self.metrics_port, "metrics_port")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
+        parse_quotas(self.tenant_quotas)
+
+    def quotas(self) -> dict[str, int]:
+        return parse_quotas(self.tenant_quotas)
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,17 @@ class ClientConfig:
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+
+
+def parse_quotas(text: str) -> dict[str, int]:
+    """``"teamA=100GiB,teamB=20GiB"`` -> {"teamA": ..., "teamB": ...}; ConfigError names the entry."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        tenant, sep, size = item.partition("=")
+        if not sep or not tenant.strip():
+            raise ConfigError(f"tenant_quotas: expected tenant=size, got {item!r}")
+        out[tenant.strip()] = parse_size(size.strip(), f"tenant_quotas[{tenant.strip()}]")
+    return out
 
 
 def _check_port(value: int, name: str) -> None:

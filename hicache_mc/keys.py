@@ -4,16 +4,38 @@ SGLang's page key is a chained SHA-256 over token ids only: it says nothing of t
 KV dtype, the host layout or the page size, so two deployments could read each other's pages.
 hicache-mc prefixes every key with a namespace: a short digest of everything that changes the
 bytes of a page. A store key is ``<namespace>/<page hash>/<part>``; parts are ``k`` and ``v`` for
-MHA and ``kv`` for MLA, in the order ``get_page_buffer_meta`` gives the pointers.
+MHA and ``kv`` for MLA, in the order ``get_page_buffer_meta`` gives the pointers. A namespace
+with a tenant ends in ``@<tenant>``: the store reads it for per-tenant quotas and stats.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 NAMESPACE_CHARS = 16   # 64 bits of SHA-256: collisions need ~4e9 distinct deployments
+TENANT_SEP = "@"       # "<digest>@<tenant>": the store reads a key's tenant for quotas and stats
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_tenant(tenant: str) -> str:
+    """A tenant name is 1-64 of [A-Za-z0-9_.-] ("" = no tenant)."""
+    if tenant and not _TENANT_RE.match(tenant):
+        raise ValueError(f"tenant {tenant!r}: use 1-64 letters, digits, '_', '.' or '-'")
+    return tenant
+
+
+def with_tenant(namespace: str, tenant: str) -> str:
+    return f"{namespace}{TENANT_SEP}{check_tenant(tenant)}" if tenant else namespace
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a store key belongs to ("" for none): what follows '@' in its namespace."""
+    ns = key.split("/", 1)[0]
+    i = ns.rfind(TENANT_SEP)
+    return ns[i + 1:] if i >= 0 else ""
 
 
 @dataclass(frozen=True)
@@ -38,7 +60,7 @@ class KVNamespace:
         if self.is_mla:  # one copy of an MLA page serves every TP rank
             fields["tp_size"] = fields["tp_rank"] = None
         blob = json.dumps(["kv", fields], sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS]
+        return with_tenant(hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS], self.tenant)
 
     def parts(self) -> tuple[str, ...]:
         return ("kv",) if self.is_mla else ("k", "v")
@@ -58,4 +80,4 @@ def embedding_namespace(model: str, encoder_version: str = "", dtype: Optional[s
                         tenant: str = "") -> str:
     """Namespace of multimodal embeddings; never equal to a KV namespace."""
     blob = json.dumps(["emb", model, encoder_version, dtype, tenant]).encode()
-    return "emb-" + hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS]
+    return with_tenant("emb-" + hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS], tenant)

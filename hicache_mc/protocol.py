@@ -129,6 +129,13 @@ class HeartbeatRequest(Message):
 class HeartbeatReply(Message):
     epoch: str
     known: bool              # False: the master does not know this node; register again
+    quotas: dict             # tenant -> bytes this node may hold for it (its share of the quota)
+
+
+@message
+class QuotaRequest(Message):
+    tenant: str
+    quota: int               # bytes across the cluster; -1 removes the quota
 
 
 @message

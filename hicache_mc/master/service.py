@@ -37,6 +37,7 @@ class MasterService(Service):
                          "committed": 0, "evicted": 0, "nodes_expired": 0}
         self._next_expiry = 0.0
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
+        self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
         self.enable_metrics(config.metrics_host, config.metrics_port)
 
     # -------------------------------------------------------------- timers
@@ -105,7 +106,11 @@ class MasterService(Service):
         nodes = []
         for st in self.registry.nodes.values():
             nodes.append({**st.info.to_dict(), **st.stats, "age_s": round(now - st.last_seen, 3)})
-        stats = {"epoch": self.epoch, "keys": len(self.index), "nodes": nodes,
+        tenants: dict[str, dict] = {t: {"used": 0, "quota": q} for t, q in self.quotas.items()}
+        for st in self.registry.nodes.values():
+            for t, used in st.stats.get("tenants", {}).items():
+                tenants.setdefault(t, {"used": 0, "quota": None})["used"] += int(used)
+        stats = {"epoch": self.epoch, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
                  **self.counters}
@@ -124,8 +129,29 @@ class MasterService(Service):
         return P.RegisterReply(self.epoch), None
 
     def on_HeartbeatRequest(self, msg: P.HeartbeatRequest, payload, ident, req_id):
-        known = self.registry.touch(msg.node_id, msg.stats) is not None
-        return P.HeartbeatReply(self.epoch, known), None
+        st = self.registry.touch(msg.node_id, msg.stats)
+        return P.HeartbeatReply(self.epoch, st is not None, self._quota_shares(st)), None
+
+    def _quota_shares(self, st) -> dict:
+        """Each node enforces its share of a tenant's quota, in proportion to its capacity."""
+        if st is None or not self.quotas:
+            return {}
+        cap = lambda s: s.info.capacity + int(s.stats.get("ssd_capacity", 0))  # noqa: E731
+        total = sum(cap(s) for s in self.registry.nodes.values()) or 1
+        return {t: q * cap(st) // total for t, q in self.quotas.items()}
+
+    def on_QuotaRequest(self, msg: P.QuotaRequest, payload, ident, req_id):
+        from ..keys import check_tenant
+        try:
+            check_tenant(msg.tenant)
+        except ValueError as exc:
+            return P.ErrorReply("bad_request", str(exc)), None
+        if msg.quota < 0:
+            self.quotas.pop(msg.tenant, None)
+        else:
+            self.quotas[msg.tenant] = msg.quota
+        log.info("quota of tenant %r: %s", msg.tenant, "none" if msg.quota < 0 else f"{msg.quota} bytes")
+        return P.OkReply(), None
 
     def on_CommittedRequest(self, msg: P.CommittedRequest, payload, ident, req_id):
         st = self.registry.nodes.get(msg.node_id)
@@ -172,7 +198,14 @@ class MasterService(Service):
         rejected = counter("hicache_mc_master_rejected_total", "error replies to bad requests, per code")
         for code, n in self.rejected.items():
             rejected.add(n, code=code)
-        fams += [hits, misses, rejected,
+        used_f = gauge("hicache_mc_tenant_used_bytes", "bytes held per tenant, all nodes")
+        quota_f = gauge("hicache_mc_tenant_quota_bytes", "quota per tenant")
+        for st in nodes:
+            for t, used in st.stats.get("tenants", {}).items():
+                used_f.add(int(used), tenant=t, node=st.info.node_id)
+        for t, q in self.quotas.items():
+            quota_f.add(q, tenant=t)
+        fams += [hits, misses, rejected, used_f, quota_f,
                  histogram_family("hicache_mc_master_request_seconds", "request handling time",
                                   "type", self.latency)]
         return fams

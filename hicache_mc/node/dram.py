@@ -60,7 +60,7 @@ class DramTier:
         self.reserved: dict[str, tuple[Obj, float]] = {}        # key -> (slot, commit deadline)
         self._quarantine: list[tuple[float, int, int]] = []     # (release time, offset, size)
         self._quarantined_bytes = 0
-        self.dropped: list[str] = []                            # evicted keys the master must hear of
+        self.dropped: list[tuple[str, int]] = []                # (key, size) gone from the node: tell the master
         self.evictions = 0
         # Without an SSD tier, eviction may drop any object. With one, only copies already on
         # SSD are dropped here; the rest leave DRAM by demotion (see node/store.py).
@@ -138,7 +138,7 @@ class DramTier:
         obj = self.objects.pop(key)
         self._free(obj, now)
         if not obj.on_ssd:
-            self.dropped.append(key)
+            self.dropped.append((key, obj.size))
         self.evictions += 1
 
     def release(self, obj: Obj, now: float) -> None:

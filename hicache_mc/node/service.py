@@ -141,6 +141,7 @@ class StorageNode(Service):
         if isinstance(msg, P.RegisterReply):
             self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
+            self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
             if not msg.known or msg.epoch != self.epoch:
                 log.info("master epoch %s (was %s): registering again", msg.epoch, self.epoch)
                 self._register(time.monotonic())
@@ -166,8 +167,7 @@ class StorageNode(Service):
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
         if self.dram.dropped:
-            dropped, self.dram.dropped = self.dram.dropped, []
-            self._to_master(P.EvictedRequest(self.node_id, dropped))
+            self._to_master(P.EvictedRequest(self.node_id, self.store.drain_dropped()))
         for req_id in [r for r, w in self._pending.items() if w[0] < now]:
             _, ident, client_req, _, failed = self._pending.pop(req_id)
             log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)
@@ -243,7 +243,7 @@ class StorageNode(Service):
             return P.ErrorReply("bad_request", "Commit: keys and checksums differ in length"), None
         pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
         for i, (key, checksum) in enumerate(zip(msg.keys, msg.checksums)):
-            if self.dram.commit(key, checksum):
+            if self.store.commit(key, checksum):
                 pw.add(i, key, *self.store.meta(key))
                 self.counters["bytes_in"] += pw.sizes[-1]
         return self._acknowledge(pw)

@@ -315,8 +315,9 @@ class SsdTier:
 
     # ------------------------------------------------------------ space
 
-    def evict(self) -> list[str]:
-        """Above the high watermark, drop LRU records until live bytes reach the low one."""
+    def evict(self) -> list[tuple[str, int]]:
+        """Above the high watermark, drop LRU records until live bytes reach the low one;
+        returns (key, size) of each."""
         if self.used <= self.high:
             return []
         gone = []
@@ -325,7 +326,7 @@ class SsdTier:
             key, rec = self.index.popitem(last=False)
             self.seg_live[rec.seg] -= rec.size
             live -= rec.size
-            gone.append(key)
+            gone.append((key, rec.size))
         self.counters["evictions"] += len(gone)
         return gone
 

@@ -12,14 +12,20 @@ Policy, in one place:
 - A read of an SSD-only object streams it from disk (tcp) or stages it into DRAM (shm).
 - SSD above its high watermark: LRU records are forgotten; segments under half live are
   compacted in the background; the master hears of every key that left the node.
+- Tenants (the ``@tenant`` suffix of a key's namespace): bytes held per tenant are counted; a
+  tenant with a quota (this node's share, sent by the master) that would go over it evicts its
+  own least recently used objects first (SSD-only ones, then DRAM), never another tenant's, and
+  the write fails if that cannot make room.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import time
+from collections import defaultdict
 from typing import Optional
 
+from ..keys import tenant_of
 from .dram import DramTier, Obj
 from .ssd import Job, SsdTier
 
@@ -44,6 +50,12 @@ class TieredStore:
         self._quiet_until = 0.0
         self._demoting = False
         self.finished: list[tuple[object, list[bool]]] = []   # (waiter, per-key ok) of sync writes
+        self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
+        self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
+        self.quota_evictions = 0
+        if ssd is not None:
+            for key, rec in ssd.index.items():
+                self.usage[tenant_of(key)] += rec.size
 
     # ------------------------------------------------------------ lookups
 
@@ -97,24 +109,81 @@ class TieredStore:
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
-        self.ssd.remove(key)
+        rec = self.ssd.remove(key)
         obj = self.dram.objects.get(key)
         if obj is not None:
             obj.on_ssd = False
         else:
-            self.dram.dropped.append(key)
+            self.dram.dropped.append((key, rec.size if rec else 0))
 
     # ------------------------------------------------------------ writes
 
     def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
         if self.ssd is not None and key in self.ssd.index:
             return -2
+        if key not in self.dram.objects and not self._within_quota(key, size, now):
+            return -1
         return self.dram.reserve(key, size, now, hold_s)
 
+    def commit(self, key: str, checksum: int) -> bool:
+        """Make a reserved slot a readable object (the shm/TE write path)."""
+        if not self.dram.commit(key, checksum):
+            return False
+        self.usage[tenant_of(key)] += self.dram.objects[key].size
+        return True
+
     def write(self, key: str, data, checksum: int, now: float) -> bool:
-        if self.ssd is not None and key in self.ssd.index:
+        if self.contains(key):
             return True
-        return self.dram.write(key, data, checksum, now)
+        if not self._within_quota(key, len(data), now) or not self.dram.write(key, data, checksum, now):
+            return False
+        self.usage[tenant_of(key)] += len(data)
+        return True
+
+    # ------------------------------------------------------------ tenants
+
+    def _within_quota(self, key: str, size: int, now: float) -> bool:
+        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects."""
+        tenant = tenant_of(key)
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return True
+        need = self.usage[tenant] + size - quota
+        if need <= 0:
+            return True
+        if size > quota:
+            return False
+        victims = []
+        if self.ssd is not None:   # SSD-only objects are the colder ones
+            victims += [k for k in self.ssd.index if k not in self.dram.objects and tenant_of(k) == tenant]
+        victims += [k for k, o in self.dram.objects.items() if not o.busy and tenant_of(k) == tenant]
+        for k in victims:
+            if need <= 0:
+                break
+            need -= self._evict_entirely(k, now)
+        return need <= 0
+
+    def _evict_entirely(self, key: str, now: float) -> int:
+        """Remove ``key`` from every tier of this node (the master is told); returns its size."""
+        size = 0
+        obj = self.dram.objects.pop(key, None)
+        if obj is not None:
+            size = obj.size
+            self.dram._free(obj, now)
+            self.dram.evictions += 1
+        rec = self.ssd.remove(key) if self.ssd is not None else None
+        if rec is not None:
+            size = rec.size
+        self.dram.dropped.append((key, size))
+        self.quota_evictions += 1
+        return size
+
+    def drain_dropped(self) -> list[str]:
+        """Keys that left this node since the last call (for the master); updates usage."""
+        dropped, self.dram.dropped = self.dram.dropped, []
+        for key, size in dropped:
+            self.usage[tenant_of(key)] -= size
+        return [k for k, _ in dropped]
 
     def persist(self, keys: list[str], waiter: object = None) -> bool:
         """Start writing newly committed DRAM objects through to SSD, as the policy says.
@@ -136,6 +205,10 @@ class TieredStore:
     # ------------------------------------------------------------ removal
 
     def remove(self, keys: list[str], now: float) -> list[str]:
+        for key in keys:
+            meta = self.meta(key)
+            if meta is not None:
+                self.usage[tenant_of(key)] -= meta[0]
         gone = set(self.dram.remove(keys, now))
         if self.ssd is not None:
             on_disk = [k for k in keys if self.ssd.remove(k) is not None]
@@ -157,12 +230,12 @@ class TieredStore:
         if self.ssd is None:
             return
         self._demote(now)
-        for key in self.ssd.evict():
+        for key, size in self.ssd.evict():
             obj = self.dram.objects.get(key)
             if obj is not None:
                 obj.on_ssd = False
             else:
-                self.dram.dropped.append(key)
+                self.dram.dropped.append((key, size))
         self._compact()
         if self.durability == "async" and now >= self._next_fsync:
             self._next_fsync = now + self.fsync_interval_s
@@ -293,6 +366,8 @@ class TieredStore:
             st["objects_total"] = len(set(self.dram.objects) | set(self.ssd.index))
         else:
             st["objects_total"] = st["objects"]
+        st["tenants"] = {t: b for t, b in self.usage.items() if b}
+        st["quota_evictions"] = self.quota_evictions
         return st
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ def test_lru_eviction_when_full_reports_dropped(tier):
         assert put(tier, f"k{i}", 256 << 10, now=10.0 + i)
     tier.lease("k0", 20.0)                               # k0 becomes most recent ...
     assert put(tier, "k4", 256 << 10, now=30.0)          # ... so k1 is evicted, not k0
-    assert "k1" in tier.dropped and "k0" in tier.objects
+    assert ("k1", 256 << 10) in tier.dropped and "k0" in tier.objects
     assert tier.evictions == 1
 
 

@@ -1,0 +1,94 @@
+"""Tenant quotas: a tenant over quota evicts its own LRU objects, never another tenant's."""
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hicache_mc.client import StoreClient
+from hicache_mc.keys import KVNamespace, batch_page_keys, tenant_of
+
+MiB = 1 << 20
+
+
+def ns(tenant: str) -> str:
+    return KVNamespace("m", "torch.bfloat16", "page_first", 64, tenant=tenant).digest()
+
+
+def blob(i: int) -> bytes:
+    return np.full(MiB, i % 251, dtype=np.uint8).tobytes()
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hicache_mc.cli", *args], capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_tenant_of_key():
+    assert tenant_of(ns("teamA") + "/abc/k") == "teamA"
+    assert tenant_of(ns("") + "/abc/k") == ""
+    assert ns("teamA") != ns("teamB") != ns("")
+
+
+def test_over_quota_tenant_evicts_its_own_objects_only(cluster):
+    cluster.env["HICACHE_MC_TENANT_QUOTAS"] = "greedy=6MiB"
+    cluster.start_master()
+    cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    time.sleep(3 * cluster.heartbeat_s)              # the node learns its share
+    polite = batch_page_keys(ns("polite"), [f"p{i}" for i in range(8)], ("k",))
+    greedy = batch_page_keys(ns("greedy"), [f"g{i}" for i in range(20)], ("k",))
+    with StoreClient(cluster.master) as c:
+        for i, k in enumerate(polite):
+            assert c.put(k, blob(i))
+        for i, k in enumerate(greedy):
+            assert c.put(k, blob(100 + i))           # each fits by evicting greedy's oldest
+        for i, k in enumerate(polite):               # nobody else was pushed out
+            assert c.get(k) == blob(i)
+        held = [k for k in greedy if c.exists(k)]
+        assert 0 < len(held) <= 6
+        assert held == greedy[-len(held):]           # the newest stayed, the LRU went
+        for k in held:
+            assert c.get(k) == blob(100 + greedy.index(k))
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            tenants = cluster.stats()["tenants"]
+            if tenants.get("greedy", {}).get("used") == len(held) * MiB:
+                break
+            time.sleep(0.1)
+        assert tenants["greedy"] == {"used": len(held) * MiB, "quota": 6 * MiB}
+        assert tenants["polite"]["used"] == 8 * MiB and tenants["polite"]["quota"] is None
+
+
+def test_quota_set_at_runtime_and_shown_in_stats(cluster):
+    cluster.start_master()
+    cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    r = cli("quota", "--master", cluster.master, "teamq", "2MiB")
+    assert r.returncode == 0, r.stderr
+    time.sleep(3 * cluster.heartbeat_s)
+    keys = batch_page_keys(ns("teamq"), [f"q{i}" for i in range(5)], ("k",))
+    with StoreClient(cluster.master) as c:
+        for i, k in enumerate(keys):
+            assert c.put(k, blob(i))
+        assert sum(c.exists(k) for k in keys) == 2
+        assert not c.put(batch_page_keys(ns("teamq"), ["huge"], ("k",))[0], b"x" * (3 * MiB))
+    r = cli("stats", "--master", cluster.master)
+    assert r.returncode == 0 and "teamq" in r.stdout and "tenant" in r.stdout
+    r = cli("stats", "--master", cluster.master, "--json")
+    assert json.loads(r.stdout)["tenants"]["teamq"]["quota"] == 2 * MiB
+    assert cli("quota", "--master", cluster.master, "bad/name", "1MiB").returncode == 1
+    assert cli("quota", "--master", cluster.master, "teamq", "none").returncode == 0
+
+
+def test_clear_namespace_removes_only_that_namespace(store):
+    a, b = ns("a"), ns("b")
+    with StoreClient(store.master) as c:
+        for k in batch_page_keys(a, ["1", "2"], ("k", "v")) + batch_page_keys(b, ["1"], ("k", "v")):
+            assert c.put(k, b"page")
+    r = cli("clear", "--master", store.master, "--namespace", a + "/")
+    assert r.returncode == 0 and "removed 4" in r.stdout
+    with StoreClient(store.master) as c:
+        assert c.batch_exists(batch_page_keys(a, ["1", "2"], ("k", "v"))) == 0
+        assert c.batch_exists(batch_page_keys(b, ["1"], ("k", "v"))) == 2
