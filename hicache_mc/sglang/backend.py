@@ -27,7 +27,7 @@ from ..keys import batch_page_keys
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
 from .settings import load_settings
-from .staging import ChunkStager, _fold
+from .staging import ChunkStager, fold_parts
 
 logger = logging.getLogger("hicache_mc.sglang")
 
@@ -195,7 +195,7 @@ class HiCacheMC(HiCacheStorage):
         ok = list(ok)
         if len(ok) != n * len(self.geometry.parts):
             raise RuntimeError(f"store answered {len(ok)} results for {n} pages")
-        return _fold(ok, len(self.geometry.parts))
+        return fold_parts(ok, len(self.geometry.parts))
 
     # ------------------------------------------------------------------ flat-page (legacy) path
     # A flat page (get_data_page(flat=True)) is its part objects end to end, so these calls share

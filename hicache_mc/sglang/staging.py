@@ -72,7 +72,7 @@ class ChunkStager:
         ok = list(transfer(keys, ptrs, sizes))
         per_page = len(self._geo.parts) * self._geo.chunks
         offs = rows.tolist()
-        for page, good in enumerate(_fold(ok, len(self._geo.parts))):
+        for page, good in enumerate(fold_parts(ok, len(self._geo.parts))):
             if good:   # only whole pages land in the host pool
                 for k in range(page * per_page, (page + 1) * per_page):
                     _memmove(base + offs[k], stage + k * chunk, chunk)
@@ -99,6 +99,6 @@ class ChunkStager:
 _memmove = ctypes.memmove
 
 
-def _fold(ok: Sequence[bool], n_parts: int) -> list[bool]:
+def fold_parts(ok: Sequence[bool], n_parts: int) -> list[bool]:
     """Per-object results to per-page results: a page is there only if all its parts are."""
     return [all(ok[i:i + n_parts]) for i in range(0, len(ok), n_parts)]
