@@ -1,6 +1,7 @@
 """HiCacheMC under SGLang 0.5.23's own cache controllers (hybrid and base), real store."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -117,7 +118,8 @@ def test_model_shaped_pages(rig_factory):
     rig.release(res)
 
 
-def test_store_stopped_then_back_under_the_controller(store):
+def test_store_stopped_then_back_under_the_controller(store, caplog):
+    caplog.set_level(logging.WARNING)
     rig = ControllerRig(store.master, timeout_s=1.0, circuit_open_s=0.3)
     try:
         ps = rig.page_size
@@ -139,5 +141,8 @@ def test_store_stopped_then_back_under_the_controller(store):
         assert res["loaded"] == 3 * ps and rig.check_bytes(res) == 3
         assert rig.threads_alive()
         rig.release(res)
+        # The controller logs (logger.exception) any exception a backend call raises into it.
+        raised = [r for r in caplog.records if r.exc_info and r.name.startswith("sglang")]
+        assert not raised, raised[0].getMessage()
     finally:
         rig.close()
