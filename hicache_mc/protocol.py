@@ -243,6 +243,12 @@ class NodeInfo:
     shm_path: str            # the DRAM segment file, mappable by same-host clients
     capacity: int
     prefault: bool = False   # the segment is resident: clients may map it pre-populated
+    # Mooncake Transfer Engine (empty when the node runs none): the TE segment name clients
+    # address, the node-process address of the segment's first byte (offsets are added to it),
+    # and the TE protocol (tcp | rdma). Older nodes omit these; from_dict fills the defaults.
+    te_address: str = ""
+    te_base: int = 0
+    te_protocol: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from ..config import ClientConfig, load_config
 from ..errors import HicacheError
 from ..rpc import Channel
 from ..transport.base import ChecksumCounter, Transport, checksum_at
+from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 
@@ -74,6 +75,13 @@ class StoreClient:
         verify = self.config.verify_checksums
         self.tcp = TcpTransport(self._channel, self.checks, verify)
         self.shm = ShmTransport(self._channel, self.checks, verify, stream=self.tcp)
+        cfg = self.config
+        self.te = MooncakeTransport(self._channel, self.checks, verify, stream=self.tcp,
+                                    master=cfg.master, protocol=cfg.te_protocol,
+                                    device=cfg.te_device, metadata=cfg.te_metadata,
+                                    hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
+                                    timeout_s=cfg.timeout_s)
+        self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
         self._closed = False
@@ -104,13 +112,48 @@ class StoreClient:
             self._nodes[node_id] = P.NodeInfo.from_dict(d)
 
     def transport_for(self, node: P.NodeInfo) -> Transport:
-        """shm for a node on this host whose segment maps; else tcp (or as configured)."""
-        if self.config.transport != "tcp" and node.host == self.host and self.shm.segment(node):
+        """auto: shm for a node on this host whose segment maps, mooncake for a remote node that
+        publishes a TE address, else tcp. shm / mooncake as configured, tcp where they can't."""
+        mode = self.config.transport
+        if mode in ("auto", "shm") and node.host == self.host and self.shm.segment(node):
             return self.shm
-        if self.config.transport == "shm" and not getattr(self, "_warned_shm", False):
-            self._warned_shm = True
-            log.warning("transport=shm but node %s is not mappable from here; using tcp", node.node_id)
+        if mode == "mooncake" or (mode == "auto" and node.te_address and node.host != self.host):
+            if self.te.usable(node):
+                return self.te
+            if mode == "mooncake" and not node.te_address:
+                self._warn_once("te:" + node.node_id, "transport=mooncake but node %s runs no "
+                                "transfer engine (start it with te_protocol); using tcp", node.node_id)
+        elif mode == "shm":
+            self._warn_once("shm", "transport=shm but node %s is not mappable from here; using tcp",
+                            node.node_id)
         return self.tcp
+
+    def _warn_once(self, what: str, fmt: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(fmt, *args)
+
+    # -------------------------------------------------------------- registered memory
+
+    def register_buffer(self, ptr: int, size: int) -> bool:
+        """Register caller memory (e.g. SGLang's host pool) with transports that need it (the
+        Mooncake TE: one-sided transfers straight into it instead of via a staging buffer).
+        True when registered (or kept for a TE created later); False with a log line when not."""
+        if not isinstance(ptr, (int, np.integer)) or ptr <= 0 or size <= 0:
+            raise ValueError(f"bad pointer/size pair ({ptr!r}, {size!r})")
+        if self.config.transport not in ("auto", "mooncake"):
+            return False
+        try:
+            self.te.register_buffer(int(ptr), int(size), eager=self.config.transport == "mooncake")
+            return True
+        except HicacheError as exc:
+            self._warn_once("register", "register_buffer: %s; transfers will go through tcp or "
+                            "a staging buffer", exc)
+            return False
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Undo ``register_buffer`` (before the memory is freed)."""
+        self.te.unregister_buffer(int(ptr))
 
     def _guard(self, fn, miss):
         """Run ``fn`` unless the circuit is open; failures become ``miss``."""
@@ -241,7 +284,8 @@ class StoreClient:
         """Cluster stats from the master plus this client's own counters."""
         cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
         own = dict(self.counters, checksum_failures=self.checks.failures,
-                   circuit_opens=self.circuit.opens)
+                   circuit_opens=self.circuit.opens,
+                   **{f"te_{k}": v for k, v in self.te.counters.items()})
         return {"cluster": cluster, "client": own}
 
     def close(self) -> None:
@@ -253,6 +297,7 @@ class StoreClient:
                 ch.close()
             self._channels.clear()
         self.shm.close()
+        self.te.close()
         self.ctx.term()
 
     def __enter__(self) -> "StoreClient":

@@ -69,8 +69,11 @@ class StorageNode(Service):
             self.add_socket(self._wake_r, self._on_ssd_done)
         self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
         self.dram = dram
+        self.te = self._transfer_engine(config, dram)
         self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
-                               config.prefault)
+                               config.prefault, te_address=self.te.address if self.te else "",
+                               te_base=self.te.base if self.te else 0,
+                               te_protocol=config.te_protocol)
         self.master = self.ctx.socket(zmq.DEALER)
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)
@@ -84,6 +87,21 @@ class StorageNode(Service):
         self._last_master_reply = time.monotonic()
         self.enable_metrics(config.metrics_host, config.metrics_port)
         self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0, "bytes_out": 0}
+
+    @staticmethod
+    def _transfer_engine(config: NodeConfig, dram: DramTier):
+        """With ``te_protocol`` set: a Mooncake TE serving the whole DRAM segment to remote
+        clients (one-sided reads and writes under the same leases and reservations as shm).
+        A TE that cannot start fails the node: an explicit setting is never silently dropped."""
+        if not config.te_protocol:
+            return None
+        from ..transport.mooncake import NodeEngine
+        try:
+            return NodeEngine(dram.mm, config.host, config.te_protocol, config.te_device,
+                              config.te_metadata)
+        except Exception:
+            dram.close()
+            raise
 
     # -------------------------------------------------------------- ssd writer
 
@@ -310,6 +328,8 @@ class StorageNode(Service):
 
     def close(self) -> None:
         super().close()
+        if self.te is not None:
+            self.te.close()     # before the segment is unmapped
         self.store.close()
         if self.store.ssd is not None:
             os.close(self._wake_r)

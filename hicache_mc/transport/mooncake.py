@@ -1,0 +1,538 @@
+"""MooncakeTransport: node DRAM read and written one-sided through Mooncake's Transfer Engine.
+
+The only module that imports ``mooncake``, and only when a TE is wanted (the wheel is large and
+needs ``libibverbs.so.1`` even for TCP). Two halves:
+
+- ``NodeEngine`` (node side): one TE per node registers the node's whole DRAM segment mapping;
+  the node publishes ``te_address`` (the TE segment name), ``te_base`` (the mapping's address in
+  the node process) and ``te_protocol`` in its ``NodeInfo``.
+- ``MooncakeTransport`` (client side), over one ``SharedEngine`` per process created on first
+  use. get: ``Lease`` (offsets valid until a deadline, exactly as for shm), one batched TE read
+  from ``te_base + offset`` into the destinations, checksum on the destination; objects the
+  node holds only on SSD and cannot stage stream over tcp. put: ``Reserve``, one batched TE
+  write into the reserved slots, ``Commit``. The node never touches the bytes.
+
+Registered memory: a TE transfer needs its local memory registered (RDMA enforces it; TCP does
+not). ``register_buffer(ptr, size)`` registers caller memory once (the SGLang host pool,
+benchmark buffers); an object whose caller memory lies inside a registered region moves
+straight to or from it. Other caller memory is bounced through a registered staging buffer of
+``te_staging`` bytes (one memmove). Caller memory is never registered on the fly and cached: a
+cached registration of memory that the caller frees and reallocates would keep the old pages
+pinned, and RDMA would then move stale physical pages. An object larger than the staging buffer
+is registered for its one transfer and unregistered right after.
+
+Bounded calls: the TE's sync calls wait up to ``MC_TRANSFER_TIMEOUT`` (default 30 s, minimum 5)
+plus 1 s per GiB, and opening a segment on an unreachable host waits for TCP's connect timeout.
+So every TE call runs on a worker thread (the binding releases the GIL) and the caller waits
+only until the call's deadline; an overrun is a failure (misses). A transfer that outlives the
+wait may still finish later: a staging buffer it uses is retired, never reused; registered
+caller memory of those keys may still receive bytes (a known limit, kept short by building the
+client's TE with ``MC_TRANSFER_TIMEOUT = max(5, timeout_s)`` unless the user set it).
+
+Transfers go in rounds of at most ``ROUND_BYTES``, each under its own lease or reservation, so a
+round finishes far inside the lease even at loopback-TCP speed.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import mmap
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+from .. import protocol as P
+from ..errors import HicacheError
+from ..rpc import Channel
+from .base import ChecksumCounter, Transport, checksum_at, memmove
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("install it with `pip install mooncake-transfer-engine-non-cuda` (CPU build; "
+                "`mooncake-transfer-engine` on CUDA machines) and `apt-get install libibverbs1`")
+# Bytes per lease/reservation round. The TE moved ~1 GB/s over loopback TCP on the 2-core
+# development machine (0.7-1.1 GB/s for 1 MiB objects), so a round takes ~70 ms against a
+# 1.6 s lease (lease_s 2.0 x 0.8); over RDMA it is a few ms. Round trips cost ~0.3 ms each.
+ROUND_BYTES = 64 << 20
+TE_WORKERS = 16       # threads that may wait inside TE calls at once (a hung peer holds one)
+
+
+class MooncakeUnavailable(HicacheError):
+    """The mooncake package (or the libibverbs it links) is not installed."""
+
+
+class TransferEngineError(HicacheError):
+    """A Transfer Engine call returned a failure code, or did not finish in time."""
+
+    def __init__(self, what: str, rc: Optional[int] = None, abandoned: bool = False):
+        super().__init__(what if rc is None else f"{what}: rc={rc}")
+        self.rc = rc
+        self.abandoned = abandoned    # the TE call may still be running
+
+
+def engine_class():
+    """``mooncake.engine.TransferEngine``, or MooncakeUnavailable with the install hint."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:       # also a missing libibverbs.so.1 (ImportError from dlopen)
+        raise MooncakeUnavailable(f"Mooncake transfer engine not importable ({exc}); "
+                                  f"{INSTALL_HINT}") from None
+    return TransferEngine
+
+
+def available() -> bool:
+    """Whether a TE can be created in this process."""
+    try:
+        engine_class()
+        return True
+    except MooncakeUnavailable:
+        return False
+
+
+@contextmanager
+def _env(values: dict):
+    """Set environment variables only while the TE reads them (construction and initialize)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def create_engine(hostname: str, metadata: str, protocol: str, device: str,
+                  timeout_s: float = 30.0):
+    """An initialised TE. ``protocol`` tcp forces TCP (``MC_FORCE_TCP``) even where HCAs exist;
+    rdma refuses to start without an RDMA device (the TE would quietly fall back to TCP)."""
+    cls = engine_class()
+    env = {"MC_TRANSFER_TIMEOUT": os.environ.get("MC_TRANSFER_TIMEOUT") or str(max(5, math.ceil(timeout_s)))}
+    if protocol == "tcp":
+        env["MC_FORCE_TCP"] = "1"
+    with _env(env):
+        engine = cls()                      # reads MC_TRANSFER_TIMEOUT
+        rc = engine.initialize(hostname, metadata, protocol, device)
+    if rc != 0:
+        raise TransferEngineError(f"TE initialize({hostname!r}, {metadata!r}, {protocol!r}, {device!r})", rc)
+    if protocol == "rdma" and not _has_rdma_device(engine):
+        raise TransferEngineError(f"te_protocol rdma: no RDMA device found (te_device={device!r}); "
+                                  f"use te_protocol tcp on hosts without RDMA NICs")
+    return engine
+
+
+def _has_rdma_device(engine) -> bool:
+    """The topology JSON maps each CPU/GPU location to [preferred HCAs, other HCAs]."""
+    try:
+        topo = json.loads(engine.get_local_topology())
+    except (ValueError, TypeError):
+        return False
+    return any(hcas for lists in topo.values() for hcas in lists)
+
+
+def segment_name(hostname: str, engine, metadata: str) -> str:
+    """How peers address this engine: ``host:rpc_port`` under P2PHANDSHAKE."""
+    return f"{hostname}:{engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else hostname
+
+
+def resolve_device(spec: str) -> str:
+    """``te_device`` for this process: a NIC list as is, or the entry of a per-rank JSON map
+    keyed by the local GPU index (``torch.cuda.current_device()``, else ``LOCAL_RANK``)."""
+    spec = spec.strip()
+    if not spec.startswith("{"):
+        return spec
+    try:
+        table = {str(k): str(v) for k, v in json.loads(spec).items()}
+    except (ValueError, AttributeError) as exc:
+        raise TransferEngineError(f"te_device: not a JSON object of rank -> NIC ({exc})") from None
+    rank = str(_local_rank())
+    if rank not in table and "*" not in table:
+        raise TransferEngineError(f"te_device: no entry for local rank {rank} (and no '*')")
+    return table.get(rank, table.get("*"))
+
+
+def _local_rank() -> int:
+    torch = sys.modules.get("torch")    # never imported here: only used if the caller has it
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def route_address(master: str) -> str:
+    """The local address of the interface that routes to the master (no packet is sent)."""
+    host = master.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def buffer_address(buf) -> tuple[object, int]:
+    """(anchor, address) of a writable buffer such as an mmap; keep the anchor while in use."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    return anchor, ctypes.addressof(anchor)
+
+
+# ------------------------------------------------------------------ node side
+
+class NodeEngine:
+    """A node's TE with its DRAM segment registered. ``close()`` unregisters and drops it."""
+
+    def __init__(self, mm: mmap.mmap, host: str, protocol: str, device: str = "",
+                 metadata: str = "P2PHANDSHAKE"):
+        self.engine = create_engine(host, metadata, protocol, device)
+        self._anchor, self.base = buffer_address(mm)
+        self.size = len(mm)
+        rc = self.engine.register_memory(self.base, self.size)
+        if rc != 0:
+            raise TransferEngineError(f"TE register_memory of the {self.size >> 20} MiB segment", rc)
+        self.protocol = protocol
+        self.address = segment_name(host, self.engine, metadata)
+        log.info("transfer engine (%s) serving the DRAM segment as %s", protocol, self.address)
+
+    def close(self) -> None:
+        if self.engine is None:
+            return
+        self.engine.unregister_memory(self.base)
+        self.engine = None          # the TE's destructor closes its sockets
+        self._anchor = None         # lets the segment mapping close
+
+
+# ------------------------------------------------------------------ client side
+
+class SharedEngine:
+    """The client-side TE of this process for one set of settings, shared by every client.
+
+    A TE holds threads and listening ports, and its destructor holds the GIL for ~1 s (measured
+    with 0.3.13.post1), so it is created once and lives until the process ends. Registrations
+    are counted, so clients registering the same memory (one host pool, two backends) share it.
+    TE calls run on its worker threads (the binding releases the GIL while it waits).
+    """
+    _all: dict[tuple, "SharedEngine"] = {}
+    _all_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, hostname: str, metadata: str, protocol: str, device: str,
+            timeout_s: float) -> "SharedEngine":
+        key = (hostname, metadata, protocol, device)
+        with cls._all_lock:
+            if key not in cls._all:
+                cls._all[key] = cls(hostname, metadata, protocol, device, timeout_s)
+            return cls._all[key]
+
+    def __init__(self, hostname, metadata, protocol, device, timeout_s):
+        self.te = create_engine(hostname, metadata, protocol, device, timeout_s)
+        self.address = segment_name(hostname, self.te, metadata)
+        self.pool = ThreadPoolExecutor(TE_WORKERS, thread_name_prefix="hicache-te")
+        self._regions: dict[int, list[int]] = {}      # start -> [size, users]
+        self._lock = threading.Lock()
+        log.info("mooncake transport: TE (%s) at %s", protocol, self.address)
+
+    def register(self, ptr: int, size: int) -> None:
+        with self._lock:
+            entry = self._regions.get(ptr)
+            if entry is not None and entry[0] == size:
+                entry[1] += 1
+                return
+            if entry is not None:
+                raise TransferEngineError(f"TE register_memory({ptr:#x}, {size}): already "
+                                          f"registered with {entry[0]} bytes")
+            rc = self.te.register_memory(ptr, size)
+            if rc != 0:
+                raise TransferEngineError(f"TE register_memory({ptr:#x}, {size})", rc)
+            self._regions[ptr] = [size, 1]
+
+    def unregister(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._regions.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._regions[ptr]
+                self.te.unregister_memory(ptr)
+
+
+class Staging:
+    """A registered bounce buffer, used by one round at a time."""
+
+    def __init__(self, engine: SharedEngine, size: int):
+        self.mm = mmap.mmap(-1, size)
+        self._anchor, self.base = buffer_address(self.mm)
+        self.size, self.engine = size, engine
+        engine.register(self.base, size)
+
+    def close(self) -> None:
+        self.engine.unregister(self.base)
+        self._anchor = None
+        self.mm.close()
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+
+    def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
+                 verify: bool = True, stream: Optional[Transport] = None, *, master: str = "",
+                 protocol: str = "", device: str = "", metadata: str = "P2PHANDSHAKE",
+                 hostname: str = "", staging_bytes: int = 64 << 20, timeout_s: float = 5.0):
+        self.channel_for = channel_for
+        self.checks = checks
+        self.verify = verify
+        self.stream = stream                # reads the node cannot stage in DRAM go this way
+        self.master, self.protocol, self.device = master, protocol, device
+        self.metadata, self.hostname = metadata, hostname
+        self.staging_bytes, self.timeout_s = staging_bytes, timeout_s
+        self.engine: Optional[SharedEngine] = None
+        self.broken: Optional[str] = None   # why the TE cannot be used (logged once)
+        self._regions: dict[int, int] = {}  # this client's registrations: start -> size
+        self._region_list: tuple = ()       # snapshot of _regions for lock-free lookups
+        self._staging: Optional[Staging] = None
+        self._staging_lock = threading.Lock()
+        self._lock = threading.Lock()
+        # objects moved straight to/from registered memory, through staging, with a one-off
+        # registration, or streamed over tcp (SSD-only objects DRAM could not stage)
+        self.counters = {"direct": 0, "staged": 0, "one_off": 0, "streamed": 0}
+
+    # -------------------------------------------------------------- engine and registration
+
+    def usable(self, node: P.NodeInfo) -> bool:
+        """Whether this node can be reached through the TE (creating the TE if needed)."""
+        if not node.te_address:
+            return False
+        try:
+            self._ensure_engine(node.te_protocol)
+            return True
+        except HicacheError as exc:
+            self._give_up(exc)
+            return False
+
+    def _give_up(self, exc: Exception) -> None:
+        """No TE in this client from now on; one log line says why."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = str(exc)
+                log.warning("mooncake transport unavailable, using tcp: %s", exc)
+
+    def _ensure_engine(self, node_protocol: str = "") -> SharedEngine:
+        if self.engine is not None:
+            return self.engine
+        with self._lock:
+            if self.broken is not None:
+                raise MooncakeUnavailable(self.broken)
+            if self.engine is None:
+                engine = SharedEngine.get(self.hostname or route_address(self.master), self.metadata,
+                                          self.protocol or node_protocol or "tcp",
+                                          resolve_device(self.device), self.timeout_s)
+                for ptr, size in list(self._regions.items()):
+                    try:
+                        engine.register(ptr, size)
+                    except TransferEngineError as exc:   # that memory goes through staging
+                        log.warning("%s; transfers to it are staged", exc)
+                        del self._regions[ptr]
+                self._region_list = tuple(self._regions.items())
+                self.engine = engine
+        return self.engine
+
+    def register_buffer(self, ptr: int, size: int, eager: bool = False) -> None:
+        """Register caller memory for direct transfers; ``eager`` creates the TE now (else it
+        is registered when the TE is first needed)."""
+        if size <= 0:
+            raise ValueError(f"register_buffer: size must be > 0, got {size}")
+        with self._lock:
+            if ptr in self._regions:
+                return
+            if self.engine is not None:
+                self.engine.register(ptr, size)
+            self._regions[ptr] = size
+            self._region_list = tuple(self._regions.items())
+        if eager and self.engine is None:
+            try:
+                self._ensure_engine()
+            except HicacheError as exc:
+                self._give_up(exc)
+
+    def unregister_buffer(self, ptr: int) -> None:
+        with self._lock:
+            if self._regions.pop(ptr, None) is not None and self.engine is not None:
+                self.engine.unregister(ptr)
+            self._region_list = tuple(self._regions.items())
+
+    # -------------------------------------------------------------- bounded TE calls
+
+    def _transfer(self, node: P.NodeInfo, read: bool, local: list[int], remote: list[int],
+                  sizes: list[int], deadline: float, after: Optional[Callable[[], None]] = None,
+                  abandoned: Optional[Callable[[], None]] = None) -> None:
+        """One batched TE transfer; raises TransferEngineError on failure or at ``deadline``.
+        ``after`` runs once the TE call has returned; ``abandoned`` too, but only when the
+        caller stopped waiting for it."""
+        engine = self._ensure_engine(node.te_protocol)
+        op = "read" if read else "write"
+        fn = engine.te.batch_transfer_sync_read if read else engine.te.batch_transfer_sync_write
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferEngineError(f"TE {op}: no time left before the deadline")
+        fut = engine.pool.submit(fn, node.te_address, local, remote, sizes)
+        try:
+            rc = fut.result(timeout=left)
+        except FutureTimeout:
+            for fn_ in (after, abandoned):
+                if fn_ is not None:
+                    fut.add_done_callback(lambda _f, fn_=fn_: fn_())
+            raise TransferEngineError(f"TE {op} of {len(sizes)} objects with {node.te_address} "
+                                      f"did not finish in time", abandoned=True) from None
+        if after is not None:
+            after()
+        if rc != 0:
+            raise TransferEngineError(f"TE {op} of {len(sizes)} objects with {node.te_address}", rc)
+
+    def _move(self, node, read: bool, items: list[tuple[int, int, int]], deadline: float) -> None:
+        """Transfer ``items`` = (caller ptr, node offset, size): registered caller memory
+        directly; other memory through the staging buffer, or, when bigger than it, registered
+        for that one transfer."""
+        items = [it for it in items if it[2] > 0]
+        regions = self._region_list
+        direct = [it for it in items if _inside(regions, it[0], it[2])]
+        if direct:
+            self._transfer(node, read, [p for p, _, _ in direct], [node.te_base + o for _, o, _ in direct],
+                           [s for _, _, s in direct], deadline)
+            self.counters["direct"] += len(direct)
+        bounced = [it for it in items if not _inside(regions, it[0], it[2])]
+        engine = self._ensure_engine(node.te_protocol)
+        for ptr, off, size in [it for it in bounced if it[2] > self.staging_bytes]:
+            engine.register(ptr, size)
+            self._transfer(node, read, [ptr], [node.te_base + off], [size], deadline,
+                           after=lambda ptr=ptr: engine.unregister(ptr))
+            self.counters["one_off"] += 1
+        small = [it for it in bounced if it[2] <= self.staging_bytes]
+        if small:
+            with self._staging_lock:
+                for idx in _groups([it[2] for it in small], self.staging_bytes):
+                    self._staged(node, read, [small[i] for i in idx], deadline)
+
+    def _staged(self, node, read: bool, chunk: list[tuple[int, int, int]], deadline: float) -> None:
+        """One staging-buffer load: copy in (write), transfer, copy out (read)."""
+        stage = self._staging or Staging(self._ensure_engine(), self.staging_bytes)
+        self._staging = stage
+        at = [stage.base + sum(s for _, _, s in chunk[:i]) for i in range(len(chunk))]
+        if not read:
+            for (ptr, _, size), a in zip(chunk, at):
+                memmove(a, ptr, size)
+        try:
+            self._transfer(node, read, at, [node.te_base + o for _, o, _ in chunk],
+                           [s for _, _, s in chunk], deadline, abandoned=stage.close)
+        except TransferEngineError as exc:
+            if exc.abandoned:       # the TE may still be using it: never reuse it
+                self._staging = None
+            raise
+        if read:
+            for (ptr, _, size), a in zip(chunk, at):
+                memmove(ptr, a, size)
+        self.counters["staged"] += len(chunk)
+
+    # -------------------------------------------------------------- Transport
+
+    def read(self, node, keys, ptrs, sizes, deadline):
+        out = [False] * len(keys)
+        for idx in _groups(sizes, ROUND_BYTES):
+            got = self._read_round(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
+                                   [sizes[i] for i in idx], deadline)
+            for i, ok in zip(idx, got):
+                out[i] = ok
+        return out
+
+    def _read_round(self, node, keys, ptrs, sizes, deadline):
+        ch = self.channel_for(node.address)
+        reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest(keys)), deadline)[0])
+        out, streamed, items, where = [False] * len(keys), [], [], []
+        for i, (ptr, want, off, have) in enumerate(zip(ptrs, sizes, reply.offsets, reply.sizes)):
+            if off == P.LEASE_STREAM and self.stream is not None:
+                streamed.append(i)
+            elif off >= 0 and have == want:
+                items.append((ptr, off, have))
+                where.append(i)
+        if items:
+            # a copy after the lease could read a reused slot: stop at the lease's end
+            self._move(node, True, items, min(deadline, reply.deadline))
+            if time.monotonic() > reply.deadline:
+                log.warning("TE read of %d objects outlived its lease; treated as misses", len(items))
+                return out
+            for i in where:
+                out[i] = not self.verify or self.checks.check(
+                    keys[i], reply.checksums[i], checksum_at(ptrs[i], sizes[i]))
+        if streamed:
+            self.counters["streamed"] += len(streamed)
+            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
+                                   [sizes[i] for i in streamed], deadline)
+            for i, ok in zip(streamed, got):
+                out[i] = ok
+        return out
+
+    def write(self, node, keys, ptrs, sizes, checksums, deadline):
+        out = [False] * len(keys)
+        for idx in _groups(sizes, ROUND_BYTES):
+            got = self._write_round(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
+                                    [sizes[i] for i in idx], [checksums[i] for i in idx], deadline)
+            for i, ok in zip(idx, got):
+                out[i] = ok
+        return out
+
+    def _write_round(self, node, keys, ptrs, sizes, checksums, deadline):
+        ch = self.channel_for(node.address)
+        reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)[0])
+        done = [off == -2 for off in reply.offsets]      # already stored on this node
+        where = [i for i, off in enumerate(reply.offsets) if off >= 0]
+        if not where:
+            return done
+        self._move(node, False, [(ptrs[i], reply.offsets[i], sizes[i]) for i in where],
+                   min(deadline, reply.deadline))
+        if time.monotonic() > reply.deadline:
+            log.warning("TE write outlived its reservation; not committing %d objects", len(where))
+            return done
+        commit = P.CommitRequest([keys[i] for i in where], [checksums[i] for i in where])
+        for i, ok in zip(where, P.raise_if_error(ch.recv(ch.send(commit), deadline)[0]).ok):
+            done[i] = ok
+        return done
+
+    def close(self) -> None:
+        """Unregister this client's memory; the shared TE stays (see SharedEngine)."""
+        with self._lock:
+            engine, self.engine = self.engine, None
+            if engine is None:
+                return
+            for ptr in self._regions:
+                engine.unregister(ptr)
+        with self._staging_lock:
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+
+
+def _inside(regions: tuple, ptr: int, size: int) -> bool:
+    return any(start <= ptr and ptr + size <= start + n for start, n in regions)
+
+
+def _groups(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Indices in order, grouped so each group's sizes sum to at most ``capacity`` (an item
+    bigger than that goes alone)."""
+    groups, cur, total = [], [], 0
+    for i, s in enumerate(sizes):
+        if cur and total + s > capacity:
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += s
+    if cur:
+        groups.append(cur)
+    return groups
