@@ -24,7 +24,16 @@ import msgpack
 from .errors import ProtocolError, RemoteError
 
 VERSION = 1
-MAX_HEADER_BYTES = 64 << 20  # a header bigger than this is rejected before unpacking
+# Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
+# is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
+# it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
+# service's loop busy for long (2M keys took the master ~4 s: longer than the liveness window).
+# SGLang's hybrid controller probes every page of a request in one call: 128k keys = 4M tokens
+# at page size 64 with K and V objects.
+MAX_HEADER_BYTES = 16 << 20
+MAX_KEYS = 1 << 17
+MAX_KEY_BYTES = 1024          # longer keys are refused (the SSD record header holds up to 65535)
+_U64 = (1 << 64) - 1
 
 _REGISTRY: dict[str, type["Message"]] = {}
 
@@ -255,6 +264,14 @@ class NodeInfo:
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":
+        """The record, with every field type-checked (it comes from the network)."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in d and not _matches(d[f.name], hints[f.name]):
+                raise ProtocolError(f"node record: {f.name} must be {hints[f.name].__name__}, "
+                                    f"got {type(d[f.name]).__name__}")
+        if isinstance(d.get("capacity"), int) and d["capacity"] < 0:
+            raise ProtocolError("node record: capacity must be >= 0")
         try:
             return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         except (KeyError, TypeError) as exc:
@@ -276,7 +293,9 @@ def decode_header(frame) -> tuple[str, int, str, list]:
     if len(buf) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        doc = msgpack.unpackb(buf, raw=False, strict_map_key=False)
+        doc = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_KEYS,
+                              max_map_len=MAX_KEYS, max_str_len=MAX_HEADER_BYTES,
+                              max_bin_len=MAX_HEADER_BYTES)
     except Exception as exc:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(doc, list) or len(doc) != 5:
@@ -302,6 +321,10 @@ def build(type_name: str, values: list) -> Message:
     for name, value in zip(cls._fields, values):
         if not _matches(value, cls._hints[name]):
             raise ProtocolError(f"{type_name}.{name}: expected {cls._hints[name]}, got {type(value).__name__}")
+        if name == "keys" and any(len(k) > MAX_KEY_BYTES for k in value):
+            raise ProtocolError(f"{type_name}.keys: a key is longer than {MAX_KEY_BYTES} characters")
+        if name == "checksums" and any(v < 0 or v > _U64 for v in value):
+            raise ProtocolError(f"{type_name}.checksums: values must lie in 0..2^64-1")
     return cls(*values)
 
 
@@ -332,6 +355,10 @@ def _matches(value: Any, hint: Any) -> bool:
         if not isinstance(value, list):
             return False
         (item,) = typing.get_args(hint) or (Any,)
+        if item is str:      # the hot case (keys): no recursion per element
+            return all(type(v) is str for v in value)
+        if item is int:
+            return all(type(v) is int for v in value)
         return item is Any or all(_matches(v, item) for v in value)
     if origin is dict:
         return isinstance(value, dict)

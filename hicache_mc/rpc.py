@@ -34,10 +34,13 @@ class Service:
 
     poll_ms = 50  # wakes the loop at least this often for tick() and the stop flag
 
-    def __init__(self, bind: str, token: str = "", name: str = "service"):
+    def __init__(self, bind: str, token: str = "", name: str = "service",
+                 max_frame: int = P.MAX_HEADER_BYTES):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a frame over this is refused by ZeroMQ (the peer is disconnected) before it is buffered
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if bind.endswith(":0"):
             port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])

@@ -17,26 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from procs import Cluster  # noqa: E402
-
-
-class Store:
-    """An embedded store (``hicache-mc serve``) that a test can stop and start again."""
-
-    def __init__(self, tmp_path, dram: str = "256MiB"):
-        self.cluster = Cluster(tmp_path)
-        self.dram = dram
-        self.master = self.cluster.master
-
-    def start(self) -> "Store":
-        self.cluster.start_serve(self.dram)
-        return self
-
-    def stop(self) -> None:
-        self.cluster.stop()
-
-    def kill(self) -> None:
-        self.cluster.serve_proc.kill()
+from procs import Cluster, Store  # noqa: E402
 
 
 @pytest.fixture

@@ -155,3 +155,22 @@ class Cluster:
     def stop(self) -> None:
         for p in self.procs():
             p.stop()
+
+
+class Store:
+    """An embedded store (``hicache-mc serve``) that a test can stop and start again."""
+
+    def __init__(self, tmp_path, dram: str = "256MiB"):
+        self.cluster = Cluster(tmp_path)
+        self.dram = dram
+        self.master = self.cluster.master
+
+    def start(self) -> "Store":
+        self.cluster.start_serve(self.dram)
+        return self
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+    def kill(self) -> None:
+        self.cluster.serve_proc.kill()

@@ -16,7 +16,7 @@ def test_every_message_round_trips():
     msgs = [P.ExistsRequest(["a", "b"]), P.ExistsReply(2), P.LocateReply([["n", 5, 9]], {"n": {}}),
             P.PlaceRequest(["k"], [10], "host"), P.PlaceReply([None, "n1", ""], {}),
             P.LeaseReply([0, -1], [3, -1], [7, 0], 1.5), P.WriteReply([True, False]),
-            P.HeartbeatReply("e", True), P.ErrorReply("bad_request", "x"), P.OkReply()]
+            P.HeartbeatReply("e", True, {"t": 5}), P.ErrorReply("bad_request", "x"), P.OkReply()]
     for m in msgs:
         assert roundtrip(m)[0] == m
 
@@ -50,3 +50,21 @@ def test_no_pickle_in_the_wire_format():
 def test_error_reply_becomes_remote_error():
     with pytest.raises(RemoteError, match="bad_token"):
         P.raise_if_error(P.ErrorReply("bad_token", "nope"))
+
+
+def test_limits_on_keys_and_checksums():
+    with pytest.raises(ProtocolError, match="longer than"):
+        P.decode(P.encode(P.ExistsRequest(["k" * (P.MAX_KEY_BYTES + 1)])))
+    with pytest.raises(ProtocolError, match="checksums"):
+        P.decode(P.encode(P.WriteRequest(["k"], [-1])))
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        P.decode([msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [["k"] * (P.MAX_KEYS + 1)]])])
+    assert len(P.decode(P.encode(P.ExistsRequest(["k"] * P.MAX_KEYS)))[0].keys) == P.MAX_KEYS
+
+
+def test_node_record_is_type_checked():
+    good = P.NodeInfo("n", "tcp://127.0.0.1:1", "h", "/x", 10).to_dict()
+    assert P.NodeInfo.from_dict(good).capacity == 10
+    for field, bad in [("capacity", "big"), ("capacity", -1), ("node_id", 3), ("prefault", "yes")]:
+        with pytest.raises(ProtocolError, match=field):
+            P.NodeInfo.from_dict({**good, field: bad})

@@ -89,6 +89,8 @@ class MasterService(Service):
     def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
             return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes"), None
+        if any(size < 0 for size in msg.sizes):
+            return P.ErrorReply("bad_request", "Place: sizes must be >= 0"), None
         self.counters["place_calls"] += 1
         live = self.registry.live_slots()
         todo = [i for i, k in enumerate(msg.keys) if self.index.slot_of(k) not in live]

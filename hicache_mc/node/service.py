@@ -51,7 +51,8 @@ def remove_stale_segments(shm_dir: str) -> None:
 
 class StorageNode(Service):
     def __init__(self, config: NodeConfig):
-        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
+        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node",
+                         max_frame=max(P.MAX_HEADER_BYTES, config.max_value))
         self.config = config
         self.node_id = config.node_id or f"{config.host}:{self.address.rsplit(':', 1)[1]}"
         remove_stale_segments(config.shm_dir)

@@ -185,7 +185,12 @@ class SsdWriter(threading.Thread):
                     if value is None:
                         job.result.append((key, None))
                         continue
-                job.result.append((key, self._append(KIND_OBJECT, key, value, vsum)))
+                try:
+                    rec = self._append(KIND_OBJECT, key, value, vsum)
+                except (struct.error, UnicodeEncodeError) as exc:   # a bad record, not a bad disk
+                    log.warning("ssd: cannot write %r: %s", key[:80], exc)
+                    rec = None
+                job.result.append((key, rec))
         elif job.kind == "tombstone":
             for key in job.items:
                 self._append(KIND_TOMBSTONE, key, b"", 0)

@@ -87,7 +87,7 @@ def test_token_required_when_configured(tmp_path):
 
 
 def test_filling_dram_evicts_and_never_corrupts(tmp_path):
-    from conftest import Store
+    from procs import Store
     store = Store(tmp_path, dram="32MiB").start()
     try:
         with StoreClient(store.master) as c:

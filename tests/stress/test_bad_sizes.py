@@ -4,8 +4,9 @@ The node here accepts values up to 1 MiB (``HICACHE_MC_NODE_MAX_VALUE``), so an 
 value costs the test only a few MiB on the wire. Peak memory is read from /proc (VmHWM): a
 server that buffered an oversized frame shows it there even after freeing it.
 
-Tests marked ``xfail(strict=True)`` reproduce bugs found by this suite; each names the code at
-fault. Fixing the bug turns the test into an XPASS, which fails: then drop the marker.
+The last five tests reproduced bugs this suite found (frames buffered before their size was
+checked, millions of keys stalling the master, hostile checksums taken for a disk failure, an
+unchecked node record); they were fixed in hicache_mc/rpc.py, protocol.py and node/ssd.py.
 """
 from __future__ import annotations
 
@@ -110,11 +111,8 @@ def test_absurd_place_sizes_do_not_break_placement(sized):
     valid_client_works(sized, "place")
 
 
-# ------------------------------------------------------------------ bugs found by the suite
+# ------------------------------------------------------------------ bugs found by the suite (fixed)
 
-@pytest.mark.xfail(strict=True, reason="bug: rpc.Service reads a whole frame before checking "
-                   "its size (no zmq.MAXMSGSIZE): hicache_mc/rpc.py Service.__init__; "
-                   "protocol.decode_header checks MAX_HEADER_BYTES only after the frame is in memory")
 def test_oversized_header_frame_is_refused_without_allocating(sized):
     proc = sized.master_proc
     before = vm_hwm(proc.p.pid)
@@ -126,9 +124,6 @@ def test_oversized_header_frame_is_refused_without_allocating(sized):
     assert grew < 16 * MiB, f"the master's peak memory grew {grew >> 20} MiB for one refused frame"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a node buffers a payload frame of any size before "
-                   "on_WriteRequest compares it with max_value (hicache_mc/node/service.py "
-                   "on_WriteRequest; no zmq.MAXMSGSIZE in hicache_mc/rpc.py)")
 def test_oversized_value_frame_is_refused_without_allocating(sized):
     node = sized.nodes[0]
     before = vm_hwm(node.p.pid)
@@ -141,10 +136,6 @@ def test_oversized_value_frame_is_refused_without_allocating(sized):
     assert grew < 16 * MiB, f"the node's peak memory grew {grew >> 20} MiB for one refused 64 MiB value"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a 2 MiB header of 2M keys (under MAX_HEADER_BYTES = 64 MiB) "
-                   "keeps the master's loop busy ~4 s in msgpack + protocol._matches, longer than the "
-                   "liveness window: every node is expired and its keys dropped. No cap on keys per request "
-                   "(hicache_mc/protocol.py decode_header/_matches, MAX_HEADER_BYTES)")
 def test_request_with_millions_of_keys_does_not_stall_the_master(sized):
     expired = sized.stats()["nodes_expired"]
     header = msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [[""] * 2_000_000]])
@@ -166,12 +157,6 @@ def test_request_with_millions_of_keys_does_not_stall_the_master(sized):
     assert waited < 1.0, f"the master did not answer a Stats request for {waited:.1f} s"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a value with a negative checksum or a key over 65535 "
-                   "UTF-8 bytes is stored in DRAM, then fails struct.pack in the SSD writer "
-                   "(hicache_mc/node/ssd.py header_for, HEADER '<4sBBHIQQ'), which the node takes for a "
-                   "disk failure: 'ssd tier unusable', ssd_write_errors += 1, demotion drops objects "
-                   "(hicache_mc/node/store.py _disk_status). Such input should be refused at "
-                   "on_WriteRequest/on_CommitRequest/on_ReserveRequest")
 def test_hostile_checksum_or_key_is_not_taken_for_a_disk_failure(sized):
     node = sized.nodes[1]
     for keys, sums in ([["neg/checksum"], [-1]], [["k" * 70_000], [0]]):
@@ -182,10 +167,6 @@ def test_hostile_checksum_or_key_is_not_taken_for_a_disk_failure(sized):
     assert "ssd tier unusable" not in node.log()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: RegisterRequest's node record is not type-checked "
-                   "(hicache_mc/protocol.py NodeInfo.from_dict); a capacity of 'big' makes every "
-                   "PlaceRequest and StatsRequest fail with 'internal' (registry.NodeState.free, "
-                   "master on_StatsRequest) until the fake node expires")
 def test_register_with_wrongly_typed_node_record_is_refused(sized):
     bogus = {"node_id": "bogus", "address": "tcp://127.0.0.1:1", "host": "h", "shm_path": "/nonexistent",
              "capacity": "big"}
