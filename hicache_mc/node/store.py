@@ -35,6 +35,7 @@ DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loo
 ON_SSD = "on-ssd"               # lease(): present, but only readable by streaming (tcp)
 DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
 ERROR_LOG_INTERVAL_S = 60.0
+ROOM_WAIT_S = 2.0               # longest a write waits for the SSD writer to free DRAM
 
 
 class TieredStore:
@@ -123,7 +124,10 @@ class TieredStore:
             return -2
         if key not in self.dram.objects and not self._within_quota(key, size, now):
             return -1
-        return self.dram.reserve(key, size, now, hold_s)
+        offset = self.dram.reserve(key, size, now, hold_s)
+        if offset == -1:
+            offset = self._room_by_waiting(size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
+        return offset
 
     def commit(self, key: str, checksum: int) -> bool:
         """Make a reserved slot a readable object (the shm/TE write path)."""
@@ -135,8 +139,15 @@ class TieredStore:
     def write(self, key: str, data, checksum: int, now: float) -> bool:
         if self.contains(key):
             return True
-        if not self._within_quota(key, len(data), now) or not self.dram.write(key, data, checksum, now):
+        if not self._within_quota(key, len(data), now):
             return False
+        if not self.dram.write(key, data, checksum, now):
+            now2 = time.monotonic()
+            if self._room_by_waiting(len(data), now, lambda: self.dram.reserve(key, len(data), now2, 0.0)) < 0:
+                return False
+            offset = self.dram.reserved[key][0].offset
+            self.dram.mm[offset: offset + len(data)] = data
+            self.dram.commit(key, checksum)
         self.usage[tenant_of(key)] += len(data)
         return True
 
@@ -241,10 +252,13 @@ class TieredStore:
             self._next_fsync = now + self.fsync_interval_s
             self.ssd.writer.jobs.put(Job("fsync"))
 
-    def _demote(self, now: float) -> None:
+    def _demote(self, now: float, excess: Optional[int] = None) -> None:
         dram = self.dram
-        excess = dram.alloc.used - dram._quarantined_bytes - dram.low
-        if dram.alloc.used <= dram.high or excess <= 0 or self._demoting:
+        if excess is None:
+            if dram.alloc.used <= dram.high:
+                return
+            excess = dram.alloc.used - dram._quarantined_bytes - dram.low
+        if excess <= 0 or self._demoting:
             return
         items, batch = [], 0
         for key, obj in list(dram.objects.items()):
@@ -291,13 +305,37 @@ class TieredStore:
                 job = self.ssd.writer.done.get_nowait()
             except queue.Empty:
                 return
-            self.ssd.note_sizes(job.seg_sizes)
-            self._disk_status(job)
-            kind = job.tag[0] if job.tag else job.kind
-            if kind in ("through", "demote"):
-                self._written(job, now, demote=kind == "demote")
-            elif kind == "compact":
-                self._compacted(job)
+            self._apply(job, now)
+
+    def _apply(self, job: Job, now: float) -> None:
+        self.ssd.note_sizes(job.seg_sizes)
+        self._disk_status(job)
+        kind = job.tag[0] if job.tag else job.kind
+        if kind in ("through", "demote"):
+            self._written(job, now, demote=kind == "demote")
+        elif kind == "compact":
+            self._compacted(job)
+
+    def _room_by_waiting(self, size: int, now: float, reserve) -> int:
+        """Back-pressure: DRAM is full of objects not yet on disk. Demote the oldest and wait
+        for the writer (bounded) rather than drop what was acknowledged or fail the put."""
+        if self.ssd is None or not self._disk_ok:
+            return -1
+        end = time.monotonic() + ROOM_WAIT_S
+        while True:
+            self._demote(now, excess=size)
+            left = end - time.monotonic()
+            if left <= 0:
+                return -1
+            try:
+                job = self.ssd.writer.done.get(timeout=left)
+            except queue.Empty:
+                return -1
+            now = time.monotonic()
+            self._apply(job, now)
+            offset = reserve()
+            if offset != -1 or not self._disk_ok:
+                return offset
 
     def _disk_status(self, job: Job) -> None:
         if job.error and self._disk_ok:
