@@ -24,7 +24,8 @@ def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
-                       durability=args.durability, metrics_port=args.node_metrics_port)
+                       durability=args.durability, metrics_port=args.node_metrics_port,
+                       te_protocol=args.te_protocol)
 
 
 def node_options(sp) -> None:
@@ -34,6 +35,8 @@ def node_options(sp) -> None:
     sp.add_argument("--ssd-dir", help="SSD tier folder (default <data_dir>/ssd)")
     sp.add_argument("--durability", choices=["sync", "async", "demote"],
                     help="when writes reach the SSD tier (default async)")
+    sp.add_argument("--te-protocol", choices=["tcp", "rdma"],
+                    help="serve the DRAM segment through Mooncake's Transfer Engine (default: off)")
     sp.add_argument("--node-metrics-port", type=int,
                     help="Prometheus /metrics port of the node (default 0: off)")
 
