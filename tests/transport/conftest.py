@@ -3,17 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from procs import Cluster  # noqa: E402  (tests/procs.py, on sys.path via tests/conftest.py)
-
-TE_ENV = {"HICACHE_MC_TE_PROTOCOL": "tcp"}
-
-
-def te_cluster(tmp_path, **kw) -> Cluster:
-    """A Cluster whose node processes start a TE over TCP (``te_protocol=tcp``)."""
-    c = Cluster(tmp_path, **kw)
-    c.env.update(TE_ENV)
-    return c
-
+from te_env import TE_ENV, te_cluster  # noqa: F401  (plain module: see te_env.py)
 
 @pytest.fixture(scope="module")
 def te_store(tmp_path_factory):

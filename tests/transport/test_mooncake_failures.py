@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import te_cluster
+from te_env import te_cluster
 from hicache_mc.client import StoreClient
 from hicache_mc.config import ClientConfig, NodeConfig, load_config
 from hicache_mc.errors import ConfigError
