@@ -271,35 +271,9 @@ class EmbeddingCache:
             check_hash(h)
         return [Descriptor.of(dt, shape, size) for shape, size in zip(shapes, sizes)]
 
-    def _failures(self) -> int:
-        c = self.client.counters
-        return c["errors"] + c["circuit_rejects"]
-
     def _exists_each(self, keys: list[str]) -> list[bool]:
-        # The store answers the leading run of present keys; go on past each miss. A failed call
-        # (store down) ends the loop: the rest are misses too, without a deadline apiece.
-        result, start = [False] * len(keys), 0
-        while start < len(keys):
-            before = self._failures()
-            run = self.client.batch_exists(keys[start:])
-            result[start:start + run] = [True] * run
-            if self._failures() != before:
-                break
-            start += run + 1
-        return result
+        return self.client.batch_contains(keys)
 
     def _get_each(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
-        # A get also stops at the first key the master lacks: fetch again what follows a miss.
-        result, todo = [False] * len(keys), list(range(len(keys)))
-        while todo:
-            before = self._failures()
-            ok = self.client.batch_get_into([keys[i] for i in todo], [ptrs[i] for i in todo],
-                                            [sizes[i] for i in todo])
-            for i, good in zip(todo, ok):
-                result[i] = good
-            if all(ok) or self._failures() != before:
-                break
-            first = ok.index(False)
-            todo = [i for i, good in zip(todo[first + 1:], ok[first + 1:]) if not good]
-        return result
+        return self.client.batch_get_into(keys, ptrs, sizes)   # per key: holes do not end it
 

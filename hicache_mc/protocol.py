@@ -82,13 +82,23 @@ class ExistsReply(Message):
 
 
 @message
+class ContainsRequest(Message):
+    keys: list[str]
+
+
+@message
+class ContainsReply(Message):
+    present: list[bool]      # per key, stored on a live node (not a prefix run)
+
+
+@message
 class LocateRequest(Message):
     keys: list[str]
 
 
 @message
 class LocateReply(Message):
-    # Per key of the leading present run: [node_id, size, checksum]. Misses end the run.
+    # Per key: [node_id, size, checksum], or [] for a key the master does not have.
     entries: list[list]
     nodes: dict[str, dict]   # node_id -> NodeInfo.to_dict()
 

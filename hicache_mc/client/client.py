@@ -180,6 +180,14 @@ class StoreClient:
             return 0
         return self._guard(lambda: self._master(P.ExistsRequest(keys), self._deadline()).count, 0)
 
+    def batch_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Per key: is it stored? (``batch_exists`` answers the leading run only.)"""
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        return self._guard(lambda: list(self._master(P.ContainsRequest(keys), self._deadline()).present),
+                           [False] * len(keys))
+
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes). False = miss."""
         keys, ptrs, sizes = _check_batch(keys, ptrs, sizes)
@@ -198,9 +206,9 @@ class StoreClient:
         located = self._master(P.LocateRequest(keys), deadline)
         self._learn(located.nodes)
         by_node: dict[str, list[int]] = defaultdict(list)
-        for i, (node_id, size, _) in enumerate(located.entries):
-            if size == sizes[i]:
-                by_node[node_id].append(i)
+        for i, entry in enumerate(located.entries):
+            if entry and entry[1] == sizes[i]:
+                by_node[entry[0]].append(i)
         result = [False] * len(keys)
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
@@ -254,8 +262,8 @@ class StoreClient:
     def get(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None on a miss."""
         def locate():
-            entries = self._master(P.LocateRequest([key]), self._deadline()).entries
-            return entries[0][1] if entries else -1
+            entry = self._master(P.LocateRequest([key]), self._deadline()).entries[0]
+            return entry[1] if entry else -1
         size = self._guard(locate, -1)
         if size < 0:
             return None

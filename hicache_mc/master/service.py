@@ -58,33 +58,42 @@ class MasterService(Service):
         self.counters["exists_calls"] += 1
         return P.ExistsReply(self.index.leading_run(msg.keys, self.registry.live_slots())), None
 
+    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
+        self.counters["exists_calls"] += 1
+        live = self.registry.live_slots()
+        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys]), None
+
     def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id):
         self.counters["locate_calls"] += 1
         live = self.registry.live_slots()
-        entries, nodes = [], {}
+        entries, nodes, hits = [], {}, []
         for key in msg.keys:
             hit = self.index.get(key)
             if hit is None or hit[0] not in live:
-                break
+                entries.append([])
+                hits.append(False)
+                continue
             node_id = self.slots.node_id(hit[0])
             entries.append([node_id, hit[1], hit[2]])
+            hits.append(True)
             if node_id not in nodes:
                 nodes[node_id] = self.registry.nodes[node_id].info.to_dict()
-        self.counters["hits"] += len(entries)
-        self.counters["misses"] += len(msg.keys) - len(entries)
-        self._count_namespaces(msg.keys, len(entries))
+        found = sum(hits)
+        self.counters["hits"] += found
+        self.counters["misses"] += len(msg.keys) - found
+        self._count_namespaces(msg.keys, hits)
         return P.LocateReply(entries, nodes), None
 
-    def _count_namespaces(self, keys: list[str], hits: int) -> None:
+    def _count_namespaces(self, keys: list[str], hits: list[bool]) -> None:
         """Hits and misses per key namespace (the part before the first '/')."""
-        for i, key in enumerate(keys):
+        for key, hit in zip(keys, hits):
             ns = key.split("/", 1)[0] if "/" in key else ""
             row = self.by_namespace.get(ns)
             if row is None:
                 if len(self.by_namespace) >= MAX_NAMESPACES:
                     ns = "(other)"
                 row = self.by_namespace.setdefault(ns, [0, 0])
-            row[0 if i < hits else 1] += 1
+            row[0 if hit else 1] += 1
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):

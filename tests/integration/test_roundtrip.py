@@ -122,3 +122,15 @@ def test_threads_share_one_client(store):
         for t in threads:
             t.join()
     assert not errors
+
+
+def test_per_key_answers_go_past_holes(store):
+    with StoreClient(store.master) as c:
+        for k in ["h/a", "h/c"]:
+            assert c.put(k, b"12345678")
+        assert c.batch_contains(["h/a", "h/b", "h/c"]) == [True, False, True]
+        assert c.batch_exists(["h/a", "h/b", "h/c"]) == 1          # the prefix probe stops at the hole
+        bufs = [np.zeros(8, dtype=np.uint8) for _ in range(3)]
+        assert c.batch_get_into(["h/a", "h/b", "h/c"], [b.ctypes.data for b in bufs], [8] * 3) == \
+            [True, False, True]
+        assert bufs[2].tobytes() == b"12345678" and not bufs[1].any()

@@ -309,14 +309,14 @@ def put_pages(master: str, keys: list[str], page_size: int) -> list[bool]:
 
 def locate(master: str, keys: list[str]) -> dict[str, str]:
     """key -> node address, for the keys the master holds (misses are left out)."""
-    out, i = {}, 0
-    while i < len(keys):
+    out = {}
+    for i in range(0, len(keys), 128):
         batch = keys[i: i + 128]
         reply = request(master, P.LocateRequest(batch), 5.0)
         assert isinstance(reply, P.LocateReply), reply
         for k, entry in zip(batch, reply.entries):
-            out[k] = reply.nodes[entry[0]]["address"]
-        i += len(reply.entries) + (len(reply.entries) < len(batch))   # skip the miss that ended it
+            if entry:                                   # [] = a key the master does not have
+                out[k] = reply.nodes[entry[0]]["address"]
     return out
 
 
