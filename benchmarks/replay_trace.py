@@ -168,7 +168,8 @@ def main(argv=None) -> int:
           "exact-LRU L3 (simulated): "
           + ", ".join(f"{100 * f:g} % -> {100 * h:.2f} %" for f, h in lru_ref.items()))
     print(table(rows, COLUMNS))
-    png = draw(rows, lru_ref, ceiling, f"Mooncake conversation trace, first {len(reqs)} requests; "
+    which = f"all {len(reqs)}" if args.full else f"first {len(reqs)}"
+    png = draw(rows, lru_ref, ceiling, f"Mooncake conversation trace, {which} requests; "
                f"{args.instances} instances x {args.local_blocks} local blocks, {bb // 1024} KiB blocks",
                args.out)
     wrong = sum(r["wrong"] for r in rows)

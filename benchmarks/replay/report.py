@@ -71,7 +71,7 @@ def plot(path: str, curves: dict, local_rate: float, ceiling_rate: float, title:
     ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center right")   # the curves rise left, flatten top right
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)

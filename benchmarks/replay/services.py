@@ -57,7 +57,7 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 @contextmanager
-def hicache_store(dram: int, ssd: int = 0, transport: str = "auto", log_dir: str = ""):
+def hicache_store(dram: int, ssd: int = 0, transport: str = "auto"):
     """``hicache-mc serve`` with ``dram`` bytes of DRAM (at least 1 MiB) and ``ssd`` of SSD."""
     from hicache_mc.client import StoreClient
     port = free_port()
@@ -66,18 +66,19 @@ def hicache_store(dram: int, ssd: int = 0, transport: str = "auto", log_dir: str
             "--dram", str(max(dram, 1 << 20)), "--ssd-dir", os.path.join(tmp, "ssd")]
     if ssd:
         args += ["--ssd", str(ssd)]
-    log = open(os.path.join(log_dir or tmp, f"serve-{port}.log"), "ab")
+    log = open(os.path.join(tmp, "serve.log"), "ab")
     # data_dir: the node's files stay in the temporary folder, removed afterwards
     env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp)
     p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     master = f"tcp://127.0.0.1:{port}"
     try:
-        with StoreClient(master, timeout_s=5) as c:
+        # the first answer waits for the node to fault in its whole DRAM segment (seconds per GiB)
+        with StoreClient(master, timeout_s=START_TIMEOUT_S) as c:
             end = time.monotonic() + START_TIMEOUT_S
             while not ((c.stats()["cluster"] or {}).get("nodes")):
                 if time.monotonic() > end or p.poll() is not None:
-                    raise RuntimeError(f"hicache-mc serve did not start (log in {log.name})")
+                    raise RuntimeError("hicache-mc serve did not start:\n" + _tail(log.name))
                 time.sleep(0.1)
 
             def stats() -> dict:
@@ -101,28 +102,28 @@ def mooncake_master_binary() -> str:
 
 
 @contextmanager
-def mooncake_store(capacity: int, log_dir: str = ""):
+def mooncake_store(capacity: int):
     """``mooncake_master`` (default flags, loopback) and one holder of ``capacity`` bytes."""
     rpc, metrics = free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="replay-mooncake-")
-    logs = log_dir or tmp
+    master_log, holder_log = os.path.join(tmp, "master.log"), os.path.join(tmp, "holder.log")
+    quiet = dict(os.environ, GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "1"))
     procs: list[subprocess.Popen] = []
     try:
-        with open(os.path.join(logs, f"mooncake-master-{rpc}.log"), "ab") as log:
+        with open(master_log, "ab") as log:
             procs.append(subprocess.Popen(
-                [mooncake_master_binary(), f"--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                [mooncake_master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
                  "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
                 stdout=log, stderr=subprocess.STDOUT))
         master = f"127.0.0.1:{rpc}"
-        _wait_http(f"http://127.0.0.1:{metrics}/health", procs[0])
-        with open(os.path.join(logs, f"mooncake-holder-{rpc}.log"), "ab") as log:
-            holder = subprocess.Popen(
+        _wait_http(f"http://127.0.0.1:{metrics}/health", procs[0], master_log)
+        with open(holder_log, "ab") as log:
+            procs.append(subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "mooncake_holder.py"), master, str(capacity)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        procs.append(holder)
-        line = holder.stdout.readline().decode().strip()
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=quiet))
+        line = procs[1].stdout.readline().decode().strip()
         if line != "ready":
-            raise RuntimeError(f"Mooncake holder did not start ({line!r}; log in {logs})")
+            raise RuntimeError(f"Mooncake holder did not start ({line!r}):\n" + _tail(holder_log))
 
         def stats() -> dict:
             return _mooncake_summary(f"http://127.0.0.1:{metrics}/metrics/summary")
@@ -133,7 +134,15 @@ def mooncake_store(capacity: int, log_dir: str = ""):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _wait_http(url: str, proc: subprocess.Popen) -> None:
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return f"(no log at {path})"
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log_path: str) -> None:
     end = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
@@ -141,7 +150,7 @@ def _wait_http(url: str, proc: subprocess.Popen) -> None:
             return
         except OSError:
             if time.monotonic() > end or proc.poll() is not None:
-                raise RuntimeError(f"{url} did not answer")
+                raise RuntimeError(f"{url} did not answer:\n" + _tail(log_path))
             time.sleep(0.1)
 
 
