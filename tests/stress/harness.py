@@ -211,6 +211,8 @@ def summarize(results: list[dict], seconds: float) -> dict:
         "acked_objects": len(acked),
         "client_errors": sum(r["client"].get("errors", 0) for r in results),
         "circuit_opens": sum(r["client"].get("circuit_opens", 0) for r in results),
+        "circuit_rejects": sum(r["client"].get("circuit_rejects", 0) for r in results),
+        "put_failed_calls": c("put_failed_calls", 0),
         "checksum_failures": sum(r["client"].get("checksum_failures", 0) for r in results),
         "max_call_ms": max((o["max_ms"] for o in ops.values()), default=0.0),
     }
@@ -239,6 +241,7 @@ def timeline(results: list[dict]) -> list[dict]:
     for sec in sorted(rows):
         row = rows[sec]
         out.append({"s": sec, "requests": row.get("requests", 0),
+                    "put_failed_calls": row.get("put_failed_calls", 0),
                     "get_hit": round(row.get("get_hits", 0) / max(1, row.get("get_pages", 0)), 3),
                     "put_ok": round(row.get("put_ok", 0) / max(1, row.get("put_pages", 0)), 3)})
     return out
@@ -271,8 +274,8 @@ def readable(master: str, keys: list[str], page_size: int, timeout_s: float = 20
         buf = np.empty(128 * page_size, dtype=np.uint8)
         while True:
             still = []
-            # batches of 128 first; get's leading run stops at a miss, so the misses of a batch
-            # are read one by one before they count
+            # batches of 128 first, then each miss of a batch alone before it counts (a miss
+            # read alone also tells a store that skips holes from one that stops at them)
             for i in range(0, len(missing), 128):
                 batch = missing[i: i + 128]
                 buf[: len(batch) * page_size] = 0xA5
@@ -353,8 +356,8 @@ def record(section: str, figures: dict, command: str) -> None:
     if os.path.exists(RESULTS):
         with open(RESULTS) as f:
             doc = json.load(f)
-    doc["command"] = command
-    doc.setdefault("scenarios", {})[section] = figures
+    doc.setdefault("scenarios", {})[section] = dict(figures, command=command,
+                                                     recorded_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     doc["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     tmp = RESULTS + ".tmp"
     with open(tmp, "w") as f:

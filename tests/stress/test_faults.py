@@ -209,11 +209,13 @@ def test_node_sigstop_beyond_liveness(scluster, profile, tmp_path):
 
 
 @pytest.fixture
-def disk(tmp_path):
-    """A 256 MiB tmpfs for the SSD tiers, so the test can fill it; skipped where we may not mount."""
+def disk(tmp_path, profile):
+    """A tmpfs for both SSD tiers with room for the data twice over, so that only the test fills
+    it; skipped where we may not mount one."""
     d = tmp_path / "disk"
     d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)],
+    size_m = 2 * (profile.universe_bytes >> 20) + 64
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_m}m", "tmpfs", str(d)],
                                            capture_output=True).returncode != 0:
         pytest.skip("filling a disk needs a tmpfs mount (root)")
     yield d

@@ -11,13 +11,13 @@ request), stays up, and keeps serving a valid client; its peak memory stays put.
   the header);
 - ``mutated``: valid encoded requests with bytes flipped, cut, inserted or repeated.
 
-Membership messages (Register/Heartbeat) with a well-formed node record are left to
-``test_bad_input.py``-style targeted tests: without a token, a peer that registers a fake node
-is by design a member (access control is the token's job).
+The short profile replays the same derandomized examples every run; the long one draws new
+ones. Membership messages (Register/Heartbeat) are not drawn: without a token, a peer that
+registers a well-formed fake node is by design a member (access control is the token's job);
+a wrongly typed one is a bug, reproduced in ``test_bad_sizes.py`` with the other findings.
 """
 from __future__ import annotations
 
-import time
 import typing
 
 import msgpack
@@ -27,12 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_mc import protocol as P
-from harness import stress_cluster, valid_client_works, vm_hwm
+from harness import record, stress_cluster, valid_client_works, vm_hwm
 from procs import Cluster
 
 MiB = 1 << 20
-import os
-EXPLORE = bool(os.environ.get("FUZZ_EXPLORE"))
 REPLY_TIMEOUT_S = 8.0        # a node's Write/Commit waits for the master's acknowledgement
 HWM_GROWTH_LIMIT = 48 * MiB  # no fuzz frame is over ~1 MiB: the peak must not grow like a leak
 
@@ -222,7 +220,7 @@ def test_fuzz_frames(fuzz_cluster, profile, strategy):
     hwm0 = {t.name: vm_hwm(t.proc.p.pid) for t in tgts}
 
     @settings(max_examples=profile.fuzz_examples, deadline=None, database=None,
-              derandomize=profile.name == "short" and not EXPLORE, suppress_health_check=list(HealthCheck))
+              derandomize=profile.name == "short", suppress_health_check=list(HealthCheck))
     @given(frames=STRATEGIES[strategy], which=st.integers(0, len(tgts) - 1))
     def one(frames, which):
         if strategy == "typed":
@@ -243,3 +241,7 @@ def test_fuzz_frames(fuzz_cluster, profile, strategy):
     for t in tgts:
         assert not t.internal, f"{t.name} failed inside a handler: {t.internal[:5]}"
     valid_client_works(c, strategy, within_s=c.heartbeat_s * c.liveness + 2)
+    record(f"fuzz_{strategy}", {t.name: {"sent": t.sent, "replies": t.codes,
+                                        "peak_rss_growth_mib": round((vm_hwm(t.proc.p.pid) - hwm0[t.name]) / MiB, 1)}
+                                for t in tgts},
+           command="HICACHE_MC_STRESS_LONG=1 .venv/bin/pytest tests/stress -m slow")

@@ -150,6 +150,8 @@ def one_request(client, rng: random.Random, table: dict, cfg: dict, pages: Pages
                      [ps] * len(todo))
         st.count("put_pages", len(todo))
         st.count("put_ok", sum(ok))
+        if not all(ok):
+            st.count("put_failed_calls")
         now = time.time()
         for k, good in zip(todo, ok):
             if good and k not in st.acked:
