@@ -79,6 +79,10 @@ class ExistsRequest(Message):
 @message
 class ExistsReply(Message):
     count: int           # length of the leading run of keys stored on live nodes
+    # [node_id, size, checksum] of each key of that run, and the nodes' records: the client may
+    # keep them briefly for the get that usually follows, saving a Locate round trip.
+    entries: list[list]
+    nodes: dict[str, dict]
 
 
 @message

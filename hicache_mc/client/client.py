@@ -28,6 +28,12 @@ from ..transport.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
 
+# Locations an Exists returned serve the get that usually follows (SGLang: prefetch probe, then
+# the I/O thread's read), saving one master round trip. Brief, because an object may be evicted
+# or moved meanwhile: then the node answers "missing" and the read is a miss, as it would be.
+LOCATION_TTL_S = 1.0
+LOCATION_CACHE_MAX = 1 << 16
+
 
 class Circuit:
     """Consecutive-failure breaker shared by all threads of one client."""
@@ -70,6 +76,7 @@ class StoreClient:
         self._channels: list[Channel] = []
         self._channels_lock = threading.Lock()
         self._nodes: dict[str, P.NodeInfo] = {}
+        self._where: dict[str, tuple[float, list]] = {}   # key -> (expiry, entry) from Exists
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -178,7 +185,29 @@ class StoreClient:
         keys = _check_keys(keys)
         if not keys:
             return 0
-        return self._guard(lambda: self._master(P.ExistsRequest(keys), self._deadline()).count, 0)
+        return self._guard(lambda: self._exists(keys), 0)
+
+    def _exists(self, keys: list[str]) -> int:
+        reply = self._master(P.ExistsRequest(keys), self._deadline())
+        self._learn(reply.nodes)
+        if len(self._where) > LOCATION_CACHE_MAX:
+            self._where.clear()
+        expires = time.monotonic() + LOCATION_TTL_S
+        for key, entry in zip(keys, reply.entries):
+            self._where[key] = (expires, entry)
+        return reply.count
+
+    def _cached_locations(self, keys: list[str]) -> Optional[list]:
+        """The entries an Exists just returned for all of ``keys``, or None (then Locate)."""
+        now, where = time.monotonic(), self._where
+        entries = []
+        for key in keys:
+            hit = where.pop(key, None)
+            if hit is None or hit[0] < now:
+                return None
+            entries.append(hit[1])
+        self.counters["locate_saved"] += 1
+        return entries
 
     def batch_contains(self, keys: Sequence[str]) -> list[bool]:
         """Per key: is it stored? (``batch_exists`` answers the leading run only.)"""
@@ -203,10 +232,13 @@ class StoreClient:
         if not keys:
             return []
         deadline = self._deadline()
-        located = self._master(P.LocateRequest(keys), deadline)
-        self._learn(located.nodes)
+        entries = self._cached_locations(keys)
+        if entries is None:
+            located = self._master(P.LocateRequest(keys), deadline)
+            self._learn(located.nodes)
+            entries = located.entries
         by_node: dict[str, list[int]] = defaultdict(list)
-        for i, entry in enumerate(located.entries):
+        for i, entry in enumerate(entries):
             if entry and entry[1] == sizes[i]:
                 by_node[entry[0]].append(i)
         result = [False] * len(keys)

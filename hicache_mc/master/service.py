@@ -56,20 +56,18 @@ class MasterService(Service):
 
     def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id):
         self.counters["exists_calls"] += 1
-        return P.ExistsReply(self.index.leading_run(msg.keys, self.registry.live_slots())), None
+        entries, nodes, _ = self._locate(msg.keys, stop_at_miss=True)
+        return P.ExistsReply(len(entries), entries, nodes), None
 
-    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
-        self.counters["exists_calls"] += 1
-        live = self.registry.live_slots()
-        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys]), None
-
-    def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id):
-        self.counters["locate_calls"] += 1
+    def _locate(self, keys: list[str], stop_at_miss: bool):
+        """([node_id, size, checksum] or [] per key, the nodes' records, hit flags)."""
         live = self.registry.live_slots()
         entries, nodes, hits = [], {}, []
-        for key in msg.keys:
+        for key in keys:
             hit = self.index.get(key)
             if hit is None or hit[0] not in live:
+                if stop_at_miss:
+                    break
                 entries.append([])
                 hits.append(False)
                 continue
@@ -78,6 +76,16 @@ class MasterService(Service):
             hits.append(True)
             if node_id not in nodes:
                 nodes[node_id] = self.registry.nodes[node_id].info.to_dict()
+        return entries, nodes, hits
+
+    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
+        self.counters["exists_calls"] += 1
+        live = self.registry.live_slots()
+        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys]), None
+
+    def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id):
+        self.counters["locate_calls"] += 1
+        entries, nodes, hits = self._locate(msg.keys, stop_at_miss=False)
         found = sum(hits)
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found

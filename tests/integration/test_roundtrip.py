@@ -134,3 +134,19 @@ def test_per_key_answers_go_past_holes(store):
         assert c.batch_get_into(["h/a", "h/b", "h/c"], [b.ctypes.data for b in bufs], [8] * 3) == \
             [True, False, True]
         assert bufs[2].tobytes() == b"12345678" and not bufs[1].any()
+
+
+def test_get_after_exists_skips_locate_and_stale_locations_are_misses(store):
+    with StoreClient(store.master) as c, StoreClient(store.master) as other:
+        for k in ["loc/a", "loc/b"]:
+            assert c.put(k, b"abcdefgh")
+        assert c.batch_exists(["loc/a", "loc/b"]) == 2
+        bufs = [np.zeros(8, dtype=np.uint8) for _ in range(2)]
+        ptrs = [b.ctypes.data for b in bufs]
+        assert c.batch_get_into(["loc/a", "loc/b"], ptrs, [8, 8]) == [True, True]
+        assert c.stats()["client"]["locate_saved"] == 1
+        assert c.batch_exists(["loc/a"]) == 1
+        assert other.clear("loc/a") == 1                  # gone between the probe and the read
+        assert c.batch_get_into(["loc/a"], ptrs[:1], [8]) == [False]
+        assert c.stats()["client"]["locate_saved"] == 2
+        assert c.get("loc/b") == b"abcdefgh"
