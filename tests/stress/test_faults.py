@@ -263,10 +263,12 @@ def test_disk_full_during_load(scluster, profile, tmp_path, disk):
     figures = sc.run(inject, restore)
     assert errors() >= profile.fault_cycles
     figures["ssd_write_errors"] = errors()
-    for node in c.nodes:
-        assert node.log().count("ssd tier unusable") >= 1
-    # with room again, both nodes take writes again (the sync one says so in its log)
+    # a node that wrote while the disk was full says so, at most once a minute (a node may not
+    # have written then)
+    saw = [n for n in c.nodes if "ssd tier unusable" in n.log()]
+    assert saw and all(n.log().count("ssd tier unusable") <= 1 + profile.fault_seconds // 60 for n in saw)
+    # with room again, the nodes take writes again, and those that saw the disk fail say so
     fresh = list(dict.fromkeys(k for keys in universe(1, 2, 0, 128, "after").values() for k in keys))
     assert all(put_pages(c.master, fresh, profile.page_size))
-    wait_for(lambda: all("ssd tier writable again" in n.log() for n in c.nodes), 10, "disk writable again")
+    wait_for(lambda: all("ssd tier writable again" in n.log() for n in saw), 10, "disk writable again")
     sc.record(figures)

@@ -1,0 +1,54 @@
+"""Races the load found between writers of the same key, reduced to a few raw requests.
+
+The load's shm and tcp clients put the same shared-prefix pages at the same time: one holds a
+reservation (shm: Reserve, copy, Commit) while the other sends the bytes (tcp: Write). The node
+must answer both without stalling its loop: a stalled loop misses heartbeats, and the master
+then drops the node and every key it holds.
+"""
+import time
+
+import pytest
+import xxhash
+import zmq
+
+from hicache_mc import protocol as P
+from harness import stress_cluster
+from procs import request
+
+
+@pytest.fixture
+def ssd_node(tmp_path):
+    c = stress_cluster(tmp_path)
+    c.start_master()
+    node = c.add_node(dram="32MiB", args=("--ssd", "64MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                                          "--durability", "sync"))
+    c.wait_nodes(1)
+    yield c, node
+    c.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: TieredStore.write (hicache_mc/node/store.py:144-147) takes "
+                   "dram.write()'s False for 'no room', but it also means 'reserved by another writer'; "
+                   "_room_by_waiting then blocks the node loop ROOM_WAIT_S (2 s) per such key: 3 keys, 6 s, "
+                   "and the master drops the node with all its keys")
+def test_tcp_write_of_keys_reserved_by_an_shm_writer_does_not_stall_the_node(ssd_node):
+    c, node = ssd_node
+    keys = [f"race/{i}" for i in range(4)]
+    reserved = request(node.address, P.ReserveRequest(keys[:3], [100] * 3))   # an shm writer, mid-copy
+    assert isinstance(reserved, P.ReserveReply) and min(reserved.offsets) >= 0
+    data = b"x" * 100
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(node.address)
+    try:
+        sock.send_multipart(P.encode(P.WriteRequest(keys, [xxhash.xxh3_64_intdigest(data)] * 4), 9,
+                                     payload=[data] * 4))
+        t0 = time.monotonic()
+        assert sock.poll(30_000), "no answer at all"
+        waited = time.monotonic() - t0
+        reply = P.decode(sock.recv_multipart())[0]
+    finally:
+        sock.close()
+    assert isinstance(reply, P.WriteReply) and reply.ok[3], reply
+    assert c.stats()["nodes_expired"] == 0, "the master dropped the node while it was busy"
+    assert waited < 1.0, f"the node took {waited:.1f} s to answer a 4-key write"
