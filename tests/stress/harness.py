@@ -214,6 +214,7 @@ def summarize(results: list[dict], seconds: float) -> dict:
         "circuit_rejects": sum(r["client"].get("circuit_rejects", 0) for r in results),
         "put_failed_calls": c("put_failed_calls", 0),
         "checksum_failures": sum(r["client"].get("checksum_failures", 0) for r in results),
+        "stale_segment_maps": sum(r["client"].get("stale_segment_maps", 0) for r in results),
         "max_call_ms": max((o["max_ms"] for o in ops.values()), default=0.0),
     }
 

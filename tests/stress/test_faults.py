@@ -272,3 +272,31 @@ def test_disk_full_during_load(scluster, profile, tmp_path, disk):
     assert all(put_pages(c.master, fresh, profile.page_size))
     wait_for(lambda: all("ssd tier writable again" in n.log() for n in saw), 10, "disk writable again")
     sc.record(figures)
+
+
+def deleted_segments_mapped() -> list[str]:
+    """Node segment files this process still maps although they were deleted."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-2] for line in f if "hicache-mc-" in line and line.rstrip().endswith("(deleted)")})
+
+
+@pytest.mark.xfail(strict=True, reason="bug: ShmTransport keeps every segment it mapped "
+                   "(hicache_mc/transport/shm.py ShmTransport.segment, _segments keyed by shm_path); a "
+                   "restarted node has a new segment file and deletes the old one, but each client keeps the "
+                   "old mapping, so the node's whole DRAM size stays allocated in /dev/shm per restart until "
+                   "the client closes")
+def test_clients_unmap_the_segment_of_a_restarted_node(scluster, tmp_path):
+    from hicache_mc.client import StoreClient
+    c = scluster
+    c.start_master()
+    node = c.add_node(dram="16MiB")
+    c.wait_nodes(1)
+    with StoreClient(c.master, transport="shm", timeout_s=1.0, circuit_open_s=0.1) as client:
+        assert client.put("seg/a", b"a" * 1000) and client.get("seg/a") == b"a" * 1000   # maps segment 1
+        node.kill(signal.SIGKILL)
+        c.wait_nodes(0)
+        restart(c, node)
+        c.wait_nodes(1)
+        wait_for(lambda: client.put("seg/b", b"b" * 1000), 10, "a put to the restarted node")
+        assert client.get("seg/b") == b"b" * 1000                                         # maps segment 2
+        assert deleted_segments_mapped() == []

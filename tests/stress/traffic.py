@@ -174,6 +174,13 @@ def worker_thread(client, cfg: dict, table: dict, seed: int, end: float, st: Sta
                 return
 
 
+def stale_segment_maps() -> int:
+    """Deleted node segment files this process still maps (a restarted node's old segment)."""
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-2] for line in f
+                    if "hicache-mc-" in line and line.rstrip().endswith("(deleted)")})
+
+
 def run(cfg: dict) -> dict:
     from hicache_mc.client import StoreClient
 
@@ -197,7 +204,7 @@ def run(cfg: dict) -> dict:
             hung.append(t.name + "\n" + "".join(traceback.format_stack(frame)) if frame else t.name)
     elapsed = time.monotonic() - t0
     client_stats = dict(client.counters, checksum_failures=client.checks.failures,
-                        circuit_opens=client.circuit.opens)
+                        circuit_opens=client.circuit.opens, stale_segment_maps=stale_segment_maps())
     if not hung:
         client.close()
     return merge(stats, cfg, t0_wall, elapsed, hung, client_stats)
