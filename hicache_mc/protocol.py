@@ -15,6 +15,7 @@ Every request class is named ``<Verb>Request`` and is answered by ``<Verb>Reply`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -279,7 +280,7 @@ class NodeInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":
         """The record, with every field type-checked (it comes from the network)."""
-        hints = typing.get_type_hints(cls)
+        hints = _node_hints()
         for f in dataclasses.fields(cls):
             if f.name in d and not _matches(d[f.name], hints[f.name]):
                 raise ProtocolError(f"node record: {f.name} must be {hints[f.name].__name__}, "
@@ -290,6 +291,11 @@ class NodeInfo:
             return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"bad node record: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _node_hints() -> dict:
+    return typing.get_type_hints(NodeInfo)
 
 
 # ---------------------------------------------------------------- encode / decode

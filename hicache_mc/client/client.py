@@ -76,6 +76,7 @@ class StoreClient:
         self._channels: list[Channel] = []
         self._channels_lock = threading.Lock()
         self._nodes: dict[str, P.NodeInfo] = {}
+        self._node_records: dict[str, dict] = {}
         self._where: dict[str, tuple[float, list]] = {}   # key -> (expiry, entry) from Exists
         self.host = host_identity()
         self.checks = ChecksumCounter()
@@ -116,7 +117,9 @@ class StoreClient:
 
     def _learn(self, nodes: dict) -> None:
         for node_id, d in nodes.items():
-            self._nodes[node_id] = P.NodeInfo.from_dict(d)
+            if self._node_records.get(node_id) != d:   # decode (and type-check) a record once
+                self._nodes[node_id] = P.NodeInfo.from_dict(d)
+                self._node_records[node_id] = d
 
     def transport_for(self, node: P.NodeInfo) -> Transport:
         """auto: shm for a node on this host whose segment maps, mooncake for a remote node that
