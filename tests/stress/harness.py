@@ -349,6 +349,21 @@ def valid_client_works(c: Cluster, tag: str, within_s: float = 3.0) -> None:
 
 # ------------------------------------------------------------------ recording
 
+def code_version() -> str:
+    """The commit under test (+dirty when hicache_mc/ has local changes); overridable by
+    HICACHE_MC_STRESS_CODE for a copy of the tree outside git."""
+    if os.environ.get("HICACHE_MC_STRESS_CODE"):
+        return os.environ["HICACHE_MC_STRESS_CODE"]
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "hicache_mc"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def record(section: str, figures: dict, command: str) -> None:
     """Merge one scenario's figures into benchmarks/results/stress_long.json (long runs only)."""
     if not LONG:
@@ -357,7 +372,7 @@ def record(section: str, figures: dict, command: str) -> None:
     if os.path.exists(RESULTS):
         with open(RESULTS) as f:
             doc = json.load(f)
-    doc.setdefault("scenarios", {})[section] = dict(figures, command=command,
+    doc.setdefault("scenarios", {})[section] = dict(figures, command=command, code=code_version(),
                                                      recorded_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     doc["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     tmp = RESULTS + ".tmp"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import sys
@@ -234,6 +235,8 @@ def merge(stats: list[Stats], cfg: dict, t0_wall: float, elapsed: float, hung: l
 
 def main(argv: list[str]) -> int:
     cfg_path, out_path = argv[1], argv[2]
+    # the client's warnings (timeouts, checksum misses) with times, to line up with the faults
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with open(cfg_path) as f:
         cfg = json.load(f)
     result = run(cfg)
