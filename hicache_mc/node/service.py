@@ -237,6 +237,7 @@ class StorageNode(Service):
             return P.ErrorReply("bad_request", f"Write: {len(msg.keys)} keys, {len(msg.checksums)} "
                                 f"checksums, {len(payload)} payload frames"), None
         now = time.monotonic()
+        self.store.next_request()
         pw = PendingWrite(ident, req_id, P.WriteReply, list(msg.keys))
         for i, (key, checksum, frame) in enumerate(zip(msg.keys, msg.checksums, payload)):
             data = frame.buffer
@@ -249,6 +250,7 @@ class StorageNode(Service):
         if len(msg.keys) != len(msg.sizes):
             return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length"), None
         now = time.monotonic()
+        self.store.next_request()
         offsets = []
         for key, size in zip(msg.keys, msg.sizes):
             if size < 0 or size > self.config.max_value:

@@ -35,7 +35,7 @@ DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loo
 ON_SSD = "on-ssd"               # lease(): present, but only readable by streaming (tcp)
 DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
 ERROR_LOG_INTERVAL_S = 60.0
-ROOM_WAIT_S = 2.0               # longest a write waits for the SSD writer to free DRAM
+ROOM_WAIT_S = 1.0               # longest one request waits for the SSD writer to free DRAM
 
 
 class TieredStore:
@@ -50,6 +50,8 @@ class TieredStore:
         self._disk_retry_at = 0.0
         self._quiet_until = 0.0
         self._demoting = False
+        self._turn = 0                 # bumped by the node per request (see _room_by_waiting)
+        self._wait_turn, self._wait_left = -1, 0.0
         self.finished: list[tuple[object, list[bool]]] = []   # (waiter, per-key ok) of sync writes
         self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
         self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
@@ -140,6 +142,8 @@ class TieredStore:
         if self.contains(key):
             return True
         if not self._within_quota(key, len(data), now):
+            return False
+        if key in self.dram.reserved:   # another writer is copying it in: not ours to wait on
             return False
         if not self.dram.write(key, data, checksum, now):
             now2 = time.monotonic()
@@ -307,6 +311,10 @@ class TieredStore:
                 return
             self._apply(job, now)
 
+    def next_request(self) -> None:
+        """The node starts serving another request: a fresh back-pressure budget."""
+        self._turn += 1
+
     def _apply(self, job: Job, now: float) -> None:
         self.ssd.note_sizes(job.seg_sizes)
         self._disk_status(job)
@@ -321,7 +329,18 @@ class TieredStore:
         for the writer (bounded) rather than drop what was acknowledged or fail the put."""
         if self.ssd is None or not self._disk_ok:
             return -1
-        end = time.monotonic() + ROOM_WAIT_S
+        # one budget per node-loop turn: a batch of writes must not hold the loop (and the
+        # heartbeats) for long, or the master would take the node for dead
+        if self._wait_turn != self._turn:
+            self._wait_turn, self._wait_left = self._turn, ROOM_WAIT_S
+        start = time.monotonic()
+        end = start + self._wait_left
+        try:
+            return self._wait_for_room(now, end, size, reserve)
+        finally:
+            self._wait_left = max(0.0, self._wait_left - (time.monotonic() - start))
+
+    def _wait_for_room(self, now: float, end: float, size: int, reserve) -> int:
         while True:
             self._demote(now, excess=size)
             left = end - time.monotonic()

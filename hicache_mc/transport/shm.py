@@ -14,14 +14,17 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 from .. import protocol as P
+from ..errors import StoreUnavailable
 from ..rpc import Channel
 from .base import ChecksumCounter, Transport, checksum_at, memmove
 
 log = logging.getLogger(__name__)
 
+SWEEP_S = 1.0   # how often mapped segments are checked for a deleted file
 MAGIC = b"HICACHEMC-SEG-1\0"   # first bytes of every segment, then the segment id
 
 
@@ -52,6 +55,9 @@ class Segment:
         self._anchor = ctypes.c_char.from_buffer(self.mm)
         self.base = ctypes.addressof(self._anchor)
         self.size = len(self.mm)
+        self.path = path
+        self.users = 0          # reads/writes copying through this mapping right now
+        self.retired = False    # unmap when the last user is done
 
     def close(self) -> None:
         del self._anchor
@@ -72,11 +78,17 @@ class ShmTransport(Transport):
         self.verify = verify
         self._segments: dict[str, Optional[Segment]] = {}
         self._lock = threading.Lock()
+        self._next_sweep = 0.0
 
     def segment(self, node: P.NodeInfo) -> Optional[Segment]:
         """The node's mapped segment, or None when it cannot be mapped from here."""
         with self._lock:
-            if node.shm_path not in self._segments:
+            now = time.monotonic()
+            new = node.shm_path not in self._segments
+            if new or now >= self._next_sweep:   # a new segment often means an old one died
+                self._next_sweep = now + SWEEP_S
+                self._sweep()
+            if new:
                 try:
                     self._segments[node.shm_path] = Segment(node.shm_path, node.prefault)
                 except (OSError, ValueError) as exc:
@@ -84,8 +96,41 @@ class ShmTransport(Transport):
                     self._segments[node.shm_path] = None
             return self._segments[node.shm_path]
 
-    def read(self, node, keys, ptrs, sizes, deadline):
+    def _sweep(self) -> None:
+        """Unmap segments whose file is gone (a node restarted or stopped): the memory of a
+        deleted /dev/shm file stays allocated while anyone maps it."""
+        for path, seg in list(self._segments.items()):
+            if not os.path.exists(path):
+                del self._segments[path]
+                if seg is not None:
+                    self._retire(seg)
+
+    def _retire(self, seg: Segment) -> None:
+        seg.retired = True
+        if seg.users == 0:
+            seg.close()
+
+    @contextmanager
+    def _using(self, node: P.NodeInfo):
+        """The node's segment, kept mapped until the copy through it is done."""
         seg = self.segment(node)
+        if seg is None:
+            raise StoreUnavailable(f"node {node.node_id}: segment not mappable")
+        with self._lock:
+            seg.users += 1
+        try:
+            yield seg
+        finally:
+            with self._lock:
+                seg.users -= 1
+                if seg.retired and seg.users == 0:
+                    seg.close()
+
+    def read(self, node, keys, ptrs, sizes, deadline):
+        with self._using(node) as seg:
+            return self._read(seg, node, keys, ptrs, sizes, deadline)
+
+    def _read(self, seg, node, keys, ptrs, sizes, deadline):
         ch = self.channel_for(node.address)
         reply, _ = ch.recv(ch.send(P.LeaseRequest(keys)), deadline)
         reply = P.raise_if_error(reply)
@@ -113,7 +158,10 @@ class ShmTransport(Transport):
         return out
 
     def write(self, node, keys, ptrs, sizes, checksums, deadline):
-        seg = self.segment(node)
+        with self._using(node) as seg:
+            return self._write(seg, node, keys, ptrs, sizes, checksums, deadline)
+
+    def _write(self, seg, node, keys, ptrs, sizes, checksums, deadline):
         ch = self.channel_for(node.address)
         reply, _ = ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)
         reply = P.raise_if_error(reply)
@@ -138,5 +186,5 @@ class ShmTransport(Transport):
         with self._lock:
             for seg in self._segments.values():
                 if seg is not None:
-                    seg.close()
+                    self._retire(seg)
             self._segments.clear()

@@ -281,11 +281,6 @@ def deleted_segments_mapped() -> list[str]:
         return sorted({line.split()[-2] for line in f if "hicache-mc-" in line and line.rstrip().endswith("(deleted)")})
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ShmTransport keeps every segment it mapped "
-                   "(hicache_mc/transport/shm.py ShmTransport.segment, _segments keyed by shm_path); a "
-                   "restarted node has a new segment file and deletes the old one, but each client keeps the "
-                   "old mapping, so the node's whole DRAM size stays allocated in /dev/shm per restart until "
-                   "the client closes")
 def test_clients_unmap_the_segment_of_a_restarted_node(scluster, tmp_path):
     from hicache_mc.client import StoreClient
     c = scluster

@@ -27,10 +27,6 @@ def ssd_node(tmp_path):
     c.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: TieredStore.write (hicache_mc/node/store.py:144-147) takes "
-                   "dram.write()'s False for 'no room', but it also means 'reserved by another writer'; "
-                   "_room_by_waiting then blocks the node loop ROOM_WAIT_S (2 s) per such key: 3 keys, 6 s, "
-                   "and the master drops the node with all its keys")
 def test_tcp_write_of_keys_reserved_by_an_shm_writer_does_not_stall_the_node(ssd_node):
     c, node = ssd_node
     keys = [f"race/{i}" for i in range(4)]
