@@ -84,11 +84,10 @@ class ShmTransport(Transport):
         """The node's mapped segment, or None when it cannot be mapped from here."""
         with self._lock:
             now = time.monotonic()
-            new = node.shm_path not in self._segments
-            if new or now >= self._next_sweep:   # a new segment often means an old one died
-                self._next_sweep = now + SWEEP_S
+            if node.shm_path not in self._segments or now >= self._next_sweep:
+                self._next_sweep = now + SWEEP_S   # a new segment often means an old one died
                 self._sweep()
-            if new:
+            if node.shm_path not in self._segments:   # (again: the sweep may have dropped it)
                 try:
                     self._segments[node.shm_path] = Segment(node.shm_path, node.prefault)
                 except (OSError, ValueError) as exc:

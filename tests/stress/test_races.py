@@ -54,11 +54,6 @@ def test_tcp_write_of_keys_reserved_by_an_shm_writer_does_not_stall_the_node(ssd
     assert waited < 1.0, f"the node took {waited:.1f} s to answer a 4-key write"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ShmTransport.segment (hicache_mc/transport/shm.py) computes "
-                   "'new' before _sweep() and then returns self._segments[node.shm_path]: for a node record "
-                   "whose segment file is gone (the node restarted; the client has not yet heard of its new "
-                   "record) the sweep deletes that entry and the lookup raises KeyError, which "
-                   "StoreClient._guard does not catch")
 def test_a_node_record_whose_segment_file_is_gone_is_not_an_exception(tmp_path):
     c = stress_cluster(tmp_path)
     try:
