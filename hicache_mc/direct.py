@@ -71,14 +71,17 @@ class KVDirect:
         shape = (staging_pages, geo.parts, geo.blob_numel)
         on_gpu = geo.device.type == "cuda"
         register = getattr(client, "register_buffer", None)
-        if device_staging and register is None:
-            raise ValueError("device_staging needs a transport that reads device memory "
-                             "(a client with register_buffer, e.g. Mooncake with GPUDirect)")
+        if device_staging and not on_gpu:
+            raise ValueError("device_staging is for a CUDA pool: this pool is on "
+                             f"{geo.device}, whose pages are already in host memory")
         self.stage = torch.empty(shape, dtype=geo.dtype, device=geo.device)
         self.host = (torch.empty(shape, dtype=geo.dtype, pin_memory=True)
                      if on_gpu and not device_staging else self.stage)
-        if register is not None:
-            register(self.host.data_ptr(), self.host.numel() * self.host.element_size())
+        registered = register is not None and register(
+            self.host.data_ptr(), self.host.numel() * self.host.element_size())
+        if device_staging and not registered:
+            raise ValueError("device_staging needs a transport that reads device memory (the "
+                             "Mooncake transport with a CUDA build of the TE): registration failed")
         self._lock = threading.Lock()
 
     def keys(self, page_hashes: Sequence[str]) -> list[str]:
