@@ -224,9 +224,14 @@ class ReserveRequest(Message):
     sizes: list[int]
 
 
+RESERVE_FULL = -1    # ReserveReply offset: no room for it (or over quota / too large)
+RESERVE_STORED = -2  # stored already, durably as the node's policy says: nothing to write
+RESERVE_BUSY = -4    # another writer is storing it right now: not acknowledged to this one
+
+
 @message
 class ReserveReply(Message):
-    offsets: list[int]       # -1 = no room; -2 = already stored (nothing to write)
+    offsets: list[int]       # >= 0 = a slot; or RESERVE_FULL / RESERVE_STORED / RESERVE_BUSY
     deadline: float          # commit before this (CLOCK_MONOTONIC)
 
 

@@ -121,10 +121,21 @@ class TieredStore:
 
     # ------------------------------------------------------------ writes
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+    def durable(self, key: str) -> Optional[bool]:
+        """True: stored as the policy promises (acknowledge a duplicate put); False: being
+        stored right now (reserved, or with ``sync`` not yet on disk); None: absent."""
         if self.ssd is not None and key in self.ssd.index:
-            return -2
-        if key not in self.dram.objects and not self._within_quota(key, size, now):
+            return True
+        obj = self.dram.objects.get(key)
+        if obj is not None:
+            return obj.on_ssd or self.durability != "sync"
+        return False if key in self.dram.reserved else None
+
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+        state = self.durable(key)
+        if state is not None:   # a second writer of the same key is acknowledged only once it holds
+            return -2 if state else -4
+        if not self._within_quota(key, size, now):
             return -1
         offset = self.dram.reserve(key, size, now, hold_s)
         if offset == -1:
@@ -139,11 +150,10 @@ class TieredStore:
         return True
 
     def write(self, key: str, data, checksum: int, now: float) -> bool:
-        if self.contains(key):
-            return True
+        state = self.durable(key)
+        if state is not None:   # stored: success; being stored by another writer: not acknowledged
+            return state
         if not self._within_quota(key, len(data), now):
-            return False
-        if key in self.dram.reserved:   # another writer is copying it in: not ours to wait on
             return False
         if not self.dram.write(key, data, checksum, now):
             now2 = time.monotonic()

@@ -541,7 +541,7 @@ class MooncakeTransport(Transport):
     def _write_round(self, node, keys, ptrs, sizes, checksums, deadline):
         ch = self.channel_for(node.address)
         reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)[0])
-        done = [off == -2 for off in reply.offsets]      # already stored on this node
+        done = [off == P.RESERVE_STORED for off in reply.offsets]   # stored already
         where = [i for i, off in enumerate(reply.offsets) if off >= 0]
         if not where:
             return done

@@ -164,7 +164,7 @@ class ShmTransport(Transport):
         ch = self.channel_for(node.address)
         reply, _ = ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)
         reply = P.raise_if_error(reply)
-        done = [off == -2 for off in reply.offsets]      # already stored on this node
+        done = [off == P.RESERVE_STORED for off in reply.offsets]   # stored already
         commit_keys, commit_sums, where = [], [], []
         for i, (key, ptr, size, off) in enumerate(zip(keys, ptrs, sizes, reply.offsets)):
             if off >= 0 and off + size <= seg.size:

@@ -44,3 +44,27 @@ def test_reserve_waits_too(store):
     store.poll_done(100.0)
     for i in range(30):
         assert bytes(store.read(f"r{i}", 100.0)[2]) == bytes([i]) * MiB
+
+
+def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
+    dram = DramTier(str(tmp_path / "seg2"), 8 * MiB, "abcd5678", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    ssd = SsdTier(str(tmp_path / "ssd2"), 64 * MiB, 8 * MiB, 0.95, 0.85)
+    st = TieredStore(dram, ssd, "sync", 1.0)
+    try:
+        data = b"z" * 1000
+        assert st.reserve("k", 1000, 0.0, 5.0) >= 0           # writer 1 is copying
+        assert st.reserve("k", 1000, 0.0, 5.0) == -4          # writer 2: busy, not acknowledged
+        assert st.write("k", memoryview(data), checksum(data), 0.0) is False
+        off = dram.reserved["k"][0].offset
+        dram.mm[off: off + 1000] = data
+        assert st.commit("k", checksum(data))
+        assert st.reserve("k", 1000, 0.0, 5.0) == -4          # sync: in DRAM, not yet on disk
+        st.persist(["k"], waiter="w")
+        while not st.finished:
+            st.poll_done(1.0)
+        assert st.finished == [("w", [True])]
+        assert st.reserve("k", 1000, 0.0, 5.0) == -2          # on disk: a duplicate is acknowledged
+        assert st.write("k", memoryview(data), checksum(data), 0.0) is True
+    finally:
+        st.close()
