@@ -5,8 +5,10 @@
   bytes (tcp: Write). The node must answer both without stalling its loop: a stalled loop
   misses heartbeats, and the master then drops the node and every key it holds.
 - A restarted node: a client thread may still hold the node's old record (its old segment
-  file, now deleted) when it next calls; that must be a miss or a fallback, never an exception.
+  file, now deleted) when it next calls; that must be a miss or a fallback, never an exception;
+  and a client unmapping the old segment must not do it under another thread's copy.
 """
+import os
 import signal
 import time
 
@@ -69,5 +71,34 @@ def test_a_node_record_whose_segment_file_is_gone_is_not_an_exception(tmp_path):
             c.wait_nodes(1)
             time.sleep(1.2)                                         # the client's sweep is due
             client.transport_for(old)                               # a thread still holding the old record
+    finally:
+        c.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: ShmTransport._using (hicache_mc/transport/shm.py:115-119) takes "
+                   "the segment from segment() and counts itself a user only after releasing and retaking the "
+                   "lock; a sweep on another thread in between (the node restarted, its file is gone) closes the "
+                   "mapping, and the copy then runs on unmapped memory (SIGSEGV, or a mapping reused since)")
+def test_a_segment_is_not_unmapped_between_lookup_and_use(tmp_path, monkeypatch):
+    c = stress_cluster(tmp_path)
+    try:
+        c.start_master()
+        c.add_node(dram="16MiB")
+        c.wait_nodes(1)
+        with StoreClient(c.master, transport="shm", timeout_s=1.0) as client:
+            assert client.put("gap/a", b"a" * 1000) and client.get("gap/a") == b"a" * 1000
+            node = P.NodeInfo.from_dict(c.stats()["nodes"][0])
+            shm, lookup = client.shm, client.shm.segment
+
+            def lookup_then_other_thread_sweeps(n):
+                seg = lookup(n)
+                os.unlink(n.shm_path)          # the node restarted: its old file is gone ...
+                time.sleep(1.1)                # ... and another thread's call finds the sweep due
+                lookup(n)
+                return seg
+
+            monkeypatch.setattr(shm, "segment", lookup_then_other_thread_sweeps)
+            with shm._using(node) as seg:      # what read() and write() copy through
+                assert not seg.mm.closed, "the mapping was closed under a copy about to run"
     finally:
         c.stop()
