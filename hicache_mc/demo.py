@@ -119,6 +119,6 @@ def run_demo(dram: str = "2GiB", requests: int = 16, pages: int = 32) -> int:
               f"{gbps:.2f} GB/s, every byte checked: {bad} wrong")
         st = b.stats()["cluster"]
         print(f"store: {st['keys']} keys, {st['used'] >> 20} MiB used of {st['capacity'] >> 20} MiB; "
-              f"{st['hits']} lookup hits, {st['misses']} misses, {st['evicted']} evicted")
+              f"{st['hits']} keys found, {st['misses']} not found by lookups, {st['evicted']} evicted")
     print("demo finished:", "OK" if bad == 0 and got == 2 * requests * pages else "FAILED")
     return 0 if bad == 0 and got == 2 * requests * pages else 1

@@ -57,6 +57,11 @@ class MasterService(Service):
     def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id):
         self.counters["exists_calls"] += 1
         entries, nodes, _ = self._locate(msg.keys, stop_at_miss=True)
+        # the probe's run is what a get will read (it skips Locate): count it like Locate does
+        hits = [i < len(entries) for i in range(len(msg.keys))]
+        self.counters["hits"] += len(entries)
+        self.counters["misses"] += len(msg.keys) - len(entries)
+        self._count_namespaces(msg.keys, hits)
         return P.ExistsReply(len(entries), entries, nodes), None
 
     def _locate(self, keys: list[str], stop_at_miss: bool):
