@@ -83,17 +83,21 @@ class ShmTransport(Transport):
     def segment(self, node: P.NodeInfo) -> Optional[Segment]:
         """The node's mapped segment, or None when it cannot be mapped from here."""
         with self._lock:
-            now = time.monotonic()
-            if node.shm_path not in self._segments or now >= self._next_sweep:
-                self._next_sweep = now + SWEEP_S   # a new segment often means an old one died
-                self._sweep()
-            if node.shm_path not in self._segments:   # (again: the sweep may have dropped it)
-                try:
-                    self._segments[node.shm_path] = Segment(node.shm_path, node.prefault)
-                except (OSError, ValueError) as exc:
-                    log.info("node %s: segment not mappable (%s); using tcp", node.node_id, exc)
-                    self._segments[node.shm_path] = None
-            return self._segments[node.shm_path]
+            return self._segment_locked(node)
+
+    def _segment_locked(self, node: P.NodeInfo) -> Optional[Segment]:
+        """The segment (mapping it, sweeping dead ones); the caller holds ``_lock``."""
+        now = time.monotonic()
+        if node.shm_path not in self._segments or now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_S   # a new segment often means an old one died
+            self._sweep()
+        if node.shm_path not in self._segments:   # (again: the sweep may have dropped it)
+            try:
+                self._segments[node.shm_path] = Segment(node.shm_path, node.prefault)
+            except (OSError, ValueError) as exc:
+                log.info("node %s: segment not mappable (%s); using tcp", node.node_id, exc)
+                self._segments[node.shm_path] = None
+        return self._segments[node.shm_path]
 
     def _sweep(self) -> None:
         """Unmap segments whose file is gone (a node restarted or stopped): the memory of a
@@ -112,10 +116,10 @@ class ShmTransport(Transport):
     @contextmanager
     def _using(self, node: P.NodeInfo):
         """The node's segment, kept mapped until the copy through it is done."""
-        seg = self.segment(node)
-        if seg is None:
-            raise StoreUnavailable(f"node {node.node_id}: segment not mappable")
-        with self._lock:
+        with self._lock:   # look up and pin in one step: a sweep must not unmap it in between
+            seg = self._segment_locked(node)
+            if seg is None:
+                raise StoreUnavailable(f"node {node.node_id}: segment not mappable")
             seg.users += 1
         try:
             yield seg

@@ -75,11 +75,11 @@ def test_a_node_record_whose_segment_file_is_gone_is_not_an_exception(tmp_path):
         c.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ShmTransport._using (hicache_mc/transport/shm.py:115-119) takes "
-                   "the segment from segment() and counts itself a user only after releasing and retaking the "
-                   "lock; a sweep on another thread in between (the node restarted, its file is gone) closes the "
-                   "mapping, and the copy then runs on unmapped memory (SIGSEGV, or a mapping reused since)")
-def test_a_segment_is_not_unmapped_between_lookup_and_use(tmp_path, monkeypatch):
+def test_a_segment_is_not_unmapped_between_lookup_and_use(tmp_path):
+    # Found as a race: _using looked the segment up, released the lock, and only then counted
+    # itself a user, so a sweep on another thread could unmap it in between. Lookup and pin are
+    # now one step under the lock; this checks a sweep while a copy is in flight leaves the
+    # mapping alone until the copy is done, and unmaps it right after.
     c = stress_cluster(tmp_path)
     try:
         c.start_master()
@@ -88,17 +88,12 @@ def test_a_segment_is_not_unmapped_between_lookup_and_use(tmp_path, monkeypatch)
         with StoreClient(c.master, transport="shm", timeout_s=1.0) as client:
             assert client.put("gap/a", b"a" * 1000) and client.get("gap/a") == b"a" * 1000
             node = P.NodeInfo.from_dict(c.stats()["nodes"][0])
-            shm, lookup = client.shm, client.shm.segment
-
-            def lookup_then_other_thread_sweeps(n):
-                seg = lookup(n)
-                os.unlink(n.shm_path)          # the node restarted: its old file is gone ...
-                time.sleep(1.1)                # ... and another thread's call finds the sweep due
-                lookup(n)
-                return seg
-
-            monkeypatch.setattr(shm, "segment", lookup_then_other_thread_sweeps)
-            with shm._using(node) as seg:      # what read() and write() copy through
-                assert not seg.mm.closed, "the mapping was closed under a copy about to run"
+            shm = client.shm
+            with shm._using(node) as seg:                 # what read() and write() copy through
+                os.unlink(node.shm_path)                  # the node restarted: its file is gone
+                time.sleep(1.1)                           # the next lookup finds the sweep due
+                assert shm.segment(node) is None          # swept: not mappable any more
+                assert not seg.mm.closed, "the mapping was closed under a copy in flight"
+            assert seg.mm.closed                          # ... and unmapped once the copy is done
     finally:
         c.stop()
