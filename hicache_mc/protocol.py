@@ -24,7 +24,7 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 1
+VERSION = 2   # bump whenever a message's fields or meaning change (2: Exists/Locate per-key entries, quotas)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a

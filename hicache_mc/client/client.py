@@ -178,6 +178,11 @@ class StoreClient:
             self.counters["errors"] += 1
             self.circuit.fail(exc)
             return miss
+        except Exception as exc:   # a reply this client cannot interpret (e.g. another version)
+            log.exception("unexpected store reply; treated as a store failure")
+            self.counters["errors"] += 1
+            self.circuit.fail(exc)
+            return miss
         self.circuit.ok()
         return result
 
