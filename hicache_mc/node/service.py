@@ -313,6 +313,7 @@ class StorageNode(Service):
                     "read_hits": "keys served", "writes": "objects committed",
                     "bytes_in": "object bytes written", "bytes_out": "object bytes sent over tcp",
                     "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
+                    "ssd_streamed": "objects read from SSD straight to a tcp reader",
                     "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
                     "ssd_corrupt": "damaged SSD records found (checksum failures)",
                     "ssd_write_errors": "failed SSD writes"}

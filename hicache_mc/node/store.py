@@ -85,6 +85,7 @@ class TieredStore:
         if data is None:
             self._lost_on_ssd(key)
             return None
+        self.ssd.counters["streamed"] += 1
         return rec.size, rec.checksum, data
 
     def lease(self, key: str, now: float):

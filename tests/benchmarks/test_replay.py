@@ -115,7 +115,8 @@ def test_evicting_and_ssd_tiers_never_return_a_wrong_block(cluster, reqs, tmp_pa
     assert s["local_rate"] < s["hit_rate"] <= ceiling_rate(reqs)
     nodes = cluster.stats()["nodes"]
     assert sum(n.get("evictions", 0) for n in nodes) > 0
-    assert sum(n.get("ssd_promotions", 0) for n in nodes) > 0     # some reads came from disk
+    # some reads came from disk: staged into DRAM (promotions) or, when DRAM had no room, streamed
+    assert sum(n.get("ssd_promotions", 0) + n.get("ssd_streamed", 0) for n in nodes) > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake Store not installed")
