@@ -18,11 +18,8 @@ class NodeState:
 
     @property
     def free(self) -> int:
-        """Free bytes across both tiers (a node with an SSD tier has room beyond its DRAM)."""
-        st = self.stats
-        dram = self.info.capacity - int(st.get("used", 0))
-        ssd = int(st.get("ssd_capacity", 0)) - int(st.get("ssd_used", 0))
-        return dram + max(0, ssd) - self.planned
+        used = int(self.stats.get("used", 0))
+        return self.info.capacity - used - self.planned
 
 
 class NodeRegistry:
