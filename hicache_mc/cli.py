@@ -25,7 +25,7 @@ def _node_config(args, master: Optional[str] = None) -> NodeConfig:
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
-                       te_protocol=args.te_protocol)
+                       te_protocol=args.te_protocol, data_port=args.data_port)
 
 
 def node_options(sp) -> None:
@@ -39,6 +39,8 @@ def node_options(sp) -> None:
                     help="serve the DRAM segment through Mooncake's Transfer Engine (default: off)")
     sp.add_argument("--node-metrics-port", type=int,
                     help="Prometheus /metrics port of the node (default 0: off)")
+    sp.add_argument("--data-port", type=int,
+                    help="the node's stream port for the tcp transport (default 0: any free port)")
 
 
 def run_services(services) -> None:

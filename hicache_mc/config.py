@@ -78,6 +78,7 @@ class NodeConfig:
     master: str = DEFAULT_MASTER
     host: str = "127.0.0.1"            # bind address of the data plane
     port: int = 0                      # 0 = any free port (reported to the master)
+    data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
     node_id: str = ""                  # "" = derived from host and port
     dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
     high_watermark: float = 0.95       # above this fraction of DRAM, evict LRU objects ...
@@ -111,6 +112,7 @@ class NodeConfig:
 
     def __post_init__(self):
         _check_port(self.port, "port")
+        _check_port(self.data_port, "data_port")
         _check_port(self.metrics_port, "metrics_port")
         _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import msgpack
 
@@ -49,11 +49,47 @@ class Message:
         _REGISTRY[cls.TYPE] = cls
 
 
+# element types whose lists are checked in one C-level pass (msgpack yields exact types)
+_EXACT = {str: {str}, int: {int}, bool: {bool}, list: {list}, dict: {dict}, float: {int, float}}
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A predicate for values of type ``hint``, built once per hint (decode is a hot path)."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return lambda v: True
+    if origin is typing.Union:
+        options = tuple(_checker(h) for h in typing.get_args(hint))
+        return lambda v: any(c(v) for c in options)
+    if hint is type(None):
+        return lambda v: v is None
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if item is Any:
+            return lambda v: isinstance(v, list)
+        allowed = _EXACT.get(item)
+        if allowed is not None:
+            return lambda v: isinstance(v, list) and (not v or set(map(type, v)) <= allowed)
+        inner = _checker(item)
+        return lambda v: isinstance(v, list) and all(map(inner, v))
+    if origin is dict:
+        return lambda v: isinstance(v, dict)
+    if hint is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint in (list, dict, str, bool):
+        return lambda v: isinstance(v, hint)
+    return lambda v: True
+
+
 def message(cls):
     """Class decorator: a frozen dataclass message with field type checks on decode."""
     cls = dataclass(frozen=True)(cls)
     cls._hints = typing.get_type_hints(cls)
     cls._fields = tuple(f.name for f in dataclasses.fields(cls))
+    cls._checks = tuple(_checker(cls._hints[name]) for name in cls._fields)
     return cls
 
 
@@ -208,6 +244,15 @@ class LeaseReply(Message):
 
 
 @message
+class ReleaseRequest(Message):
+    # A reader is done with the slots it leased: [key, offset] as the LeaseReply gave them.
+    # Answered with OkReply (the reader need not wait for it). Once every reader of an object
+    # has released it, its slot may be reused at once instead of when the lease runs out.
+    keys: list[str]
+    offsets: list[int]
+
+
+@message
 class WriteRequest(Message):
     keys: list[str]          # one payload frame per key
     checksums: list[int]
@@ -278,6 +323,8 @@ class NodeInfo:
     te_address: str = ""
     te_base: int = 0
     te_protocol: str = ""
+    # host:port of the node's stream port (transport/stream.py); empty for a node without one
+    data_address: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -343,12 +390,12 @@ def build(type_name: str, values: list) -> Message:
     if len(values) != len(cls._fields):
         raise ProtocolError(f"{type_name}: expected {len(cls._fields)} fields "
                             f"({', '.join(cls._fields)}), got {len(values)}")
-    for name, value in zip(cls._fields, values):
-        if not _matches(value, cls._hints[name]):
+    for name, value, check in zip(cls._fields, values, cls._checks):
+        if not check(value):
             raise ProtocolError(f"{type_name}.{name}: expected {cls._hints[name]}, got {type(value).__name__}")
-        if name == "keys" and any(len(k) > MAX_KEY_BYTES for k in value):
+        if name == "keys" and value and max(map(len, value)) > MAX_KEY_BYTES:
             raise ProtocolError(f"{type_name}.keys: a key is longer than {MAX_KEY_BYTES} characters")
-        if name == "checksums" and any(v < 0 or v > _U64 for v in value):
+        if name == "checksums" and value and (min(value) < 0 or max(value) > _U64):
             raise ProtocolError(f"{type_name}.checksums: values must lie in 0..2^64-1")
     return cls(*values)
 
@@ -369,28 +416,4 @@ def raise_if_error(msg: Message) -> Message:
 
 
 def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin is typing.Union:
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        if not isinstance(value, list):
-            return False
-        (item,) = typing.get_args(hint) or (Any,)
-        if item is str:      # the hot case (keys): no recursion per element
-            return all(type(v) is str for v in value)
-        if item is int:
-            return all(type(v) is int for v in value)
-        return item is Any or all(_matches(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint in (list, dict, str, bool):
-        return isinstance(value, hint)
-    return True
+    return _checker(hint)(value)

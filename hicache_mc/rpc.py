@@ -193,6 +193,8 @@ class Channel:
         self.address = address
         self.token = token
         self.sock: Optional[zmq.Socket] = None
+        self._waiting: set[int] = set()     # requests sent and not yet answered
+        self._early: dict[int, tuple] = {}  # their replies that came before they were asked for
 
     def _connect(self) -> zmq.Socket:
         if self.sock is None:
@@ -202,13 +204,21 @@ class Channel:
         return self.sock
 
     def send(self, msg: P.Message, payload: Optional[list] = None) -> int:
-        """Send without waiting; returns the request id to pass to ``recv``."""
+        """Send without waiting; returns the request id to pass to ``recv``. Several requests
+        may be in flight; ``recv`` them in any order."""
         req_id = next(_ids)
         self._connect().send_multipart(P.encode(msg, req_id, self.token, payload), copy=False)
+        self._waiting.add(req_id)
         return req_id
 
     def recv(self, req_id: int, deadline: float) -> tuple[P.Message, list]:
         """The reply to ``req_id``, or StoreUnavailable at ``deadline`` (monotonic seconds)."""
+        early = self._early.pop(req_id, None)
+        if early is not None:
+            self._waiting.discard(req_id)
+            return early
+        if req_id not in self._waiting:
+            raise StoreUnavailable(f"request to {self.address} was dropped (the channel was reset)")
         sock = self._connect()
         while True:
             left = deadline - time.monotonic()
@@ -222,8 +232,17 @@ class Channel:
                 log.warning("bad reply from %s: %s", self.address, exc)
                 continue
             if rid == req_id:
+                self._waiting.discard(rid)
                 return msg, payload
-            # a late reply to a request that already timed out: drop it
+            if rid in self._waiting:
+                self._early[rid] = (msg, payload)
+            # else: a late reply to a request that already timed out: drop it
+
+    def forget(self, req_ids) -> None:
+        """Stop waiting for these requests (their replies are dropped when they come)."""
+        for rid in req_ids:
+            self._waiting.discard(rid)
+            self._early.pop(rid, None)
 
     def call(self, msg: P.Message, timeout_s: float, payload: Optional[list] = None) -> tuple[P.Message, list]:
         """Send and wait; ErrorReply becomes RemoteError."""
@@ -237,6 +256,8 @@ class Channel:
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
+        self._waiting.clear()
+        self._early.clear()
 
     def close(self) -> None:
         self.reset()

@@ -21,7 +21,7 @@ from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError
 from ..rpc import Channel
-from ..transport.base import ChecksumCounter, Transport, checksum_at
+from ..transport.base import ChecksumCounter, Transport
 from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
@@ -81,10 +81,11 @@ class StoreClient:
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
-        self.tcp = TcpTransport(self._channel, self.checks, verify)
-        self.shm = ShmTransport(self._channel, self.checks, verify, stream=self.tcp)
+        self.tcp = TcpTransport(self._channel, self.checks, verify, token=self.config.token)
+        frames = self.tcp.stream     # SSD-only objects the node cannot stage: read as frames
+        self.shm = ShmTransport(self._channel, self.checks, verify, stream=frames)
         cfg = self.config
-        self.te = MooncakeTransport(self._channel, self.checks, verify, stream=self.tcp,
+        self.te = MooncakeTransport(self._channel, self.checks, verify, stream=frames,
                                     master=cfg.master, protocol=cfg.te_protocol,
                                     device=cfg.te_device, metadata=cfg.te_metadata,
                                     hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
@@ -281,9 +282,8 @@ class StoreClient:
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
             sub_ptrs, sub_sizes = [ptrs[i] for i in idx], [sizes[i] for i in idx]
-            sums = [checksum_at(p, s) for p, s in zip(sub_ptrs, sub_sizes)]
             ok = self.transport_for(node).write(node, [keys[i] for i in idx], sub_ptrs, sub_sizes,
-                                                sums, deadline)
+                                                deadline)
             for i, good in zip(idx, ok):
                 result[i] = good
             self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
@@ -345,6 +345,7 @@ class StoreClient:
                 ch.close()
             self._channels.clear()
         self.shm.close()
+        self.tcp.close()
         self.te.close()
         self.ctx.term()
 

@@ -36,6 +36,7 @@ class Obj:
     on_ssd: bool = False      # a copy is safely on the SSD tier: dropping this one loses nothing
     busy: int = 0             # the SSD writer is reading the slot: it must not be reused
     removed: bool = False     # removed while busy: free the slot when the writer is done
+    readers: int = 0          # leases handed out and not yet released
 
 
 class DramTier:
@@ -58,7 +59,8 @@ class DramTier:
         self.alloc = SlotAllocator(HEADER_BYTES, capacity)
         self.objects: "OrderedDict[str, Obj]" = OrderedDict()   # LRU order: oldest first
         self.reserved: dict[str, tuple[Obj, float]] = {}        # key -> (slot, commit deadline)
-        self._quarantine: list[tuple[float, int, int]] = []     # (release time, offset, size)
+        self._quarantine: list[tuple[float, int]] = []          # (release time, offset)
+        self._held: dict[int, Obj] = {}                         # offset -> quarantined object
         self._quarantined_bytes = 0
         self.dropped: list[tuple[str, int]] = []                # (key, size) gone from the node: tell the master
         self.evictions = 0
@@ -105,7 +107,26 @@ class DramTier:
         if obj is not None:
             self.objects.move_to_end(key)
             obj.lease_until = now + self.lease_s
+            obj.readers += 1
         return obj
+
+    def unlease(self, key: str, offset: int) -> None:
+        """A reader is done with the lease it took on ``key`` at ``offset``. When no reader is
+        left the object is unprotected, and if it was removed meanwhile its slot is free now.
+        A reader that never releases (it died) is covered by the lease's end, as before."""
+        obj = self.objects.get(key)
+        if obj is None or obj.offset != offset:
+            obj = self._held.get(offset)
+        if obj is None or obj.readers <= 0:
+            return
+        obj.readers -= 1
+        if obj.readers:
+            return
+        obj.lease_until = 0.0
+        if self._held.get(offset) is obj and not obj.busy:
+            del self._held[offset]
+            self._quarantined_bytes -= obj.size
+            self.alloc.free(obj.offset, obj.size)
 
     def view(self, obj: Obj) -> memoryview:
         return memoryview(self.mm)[obj.offset: obj.offset + obj.size]
@@ -151,7 +172,8 @@ class DramTier:
         if obj.busy:
             obj.removed = True
         elif obj.lease_until > now:
-            heapq.heappush(self._quarantine, (obj.lease_until, obj.offset, obj.size))
+            heapq.heappush(self._quarantine, (obj.lease_until, obj.offset))
+            self._held[obj.offset] = obj
             self._quarantined_bytes += obj.size
         else:
             self.alloc.free(obj.offset, obj.size)
@@ -159,9 +181,14 @@ class DramTier:
     def _release_quarantine(self, now: float) -> None:
         q = self._quarantine
         while q and q[0][0] <= now:
-            _, offset, size = heapq.heappop(q)
-            self._quarantined_bytes -= size
-            self.alloc.free(offset, size)
+            _, offset = heapq.heappop(q)
+            obj = self._held.get(offset)
+            # None: released early by its readers; a later lease end: the slot was reused and
+            # quarantined again, and that entry is still in the heap
+            if obj is not None and obj.lease_until <= now:
+                del self._held[offset]
+                self._quarantined_bytes -= obj.size
+                self.alloc.free(offset, obj.size)
 
     def maintain(self, now: float) -> None:
         """Expire stale reservations, release quarantine, evict above the high watermark."""
@@ -193,7 +220,7 @@ class DramTier:
 
     def stats(self) -> dict:
         return {"objects": len(self.objects), "used": self.alloc.used, "capacity": self.capacity,
-                "reserved": len(self.reserved), "quarantined": len(self._quarantine),
+                "reserved": len(self.reserved), "quarantined": len(self._held),
                 "evictions": self.evictions}
 
     def close(self) -> None:

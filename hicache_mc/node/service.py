@@ -21,7 +21,8 @@ from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
 from ..transport.shm import host_identity
-from .dram import DramTier
+from ..transport.stream import StreamServer
+from .dram import HEADER_BYTES, DramTier
 from .ssd import SsdTier
 from .store import ON_SSD, TieredStore
 
@@ -71,10 +72,18 @@ class StorageNode(Service):
         self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
         self.dram = dram
         self.te = self._transfer_engine(config, dram)
+        try:
+            self.streams = StreamServer(dram.mm, config.host, config.data_port, config.token, HEADER_BYTES)
+        except OSError:
+            if self.te is not None:
+                self.te.close()
+            dram.close()
+            raise
         self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
                                config.prefault, te_address=self.te.address if self.te else "",
                                te_base=self.te.base if self.te else 0,
-                               te_protocol=config.te_protocol)
+                               te_protocol=config.te_protocol,
+                               data_address=self.streams.address)
         self.master = self.ctx.socket(zmq.DEALER)
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)
@@ -193,7 +202,7 @@ class StorageNode(Service):
             self.reply(ident, client_req, failed)
 
     def stats(self) -> dict:
-        return {**self.store.stats(), **self.counters}
+        return {**self.store.stats(), **self.counters, **self.streams.counters}
 
     # -------------------------------------------------------------- data plane
 
@@ -231,6 +240,13 @@ class StorageNode(Service):
         self.counters["read_hits"] += sum(o >= 0 for o in offsets)
         # the reader must be done a little before the slot could be reused
         return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8), None
+
+    def on_ReleaseRequest(self, msg: P.ReleaseRequest, payload, ident, req_id):
+        if len(msg.keys) != len(msg.offsets):
+            return P.ErrorReply("bad_request", "Release: keys and offsets differ in length"), None
+        for key, offset in zip(msg.keys, msg.offsets):
+            self.store.unlease(key, offset)
+        return P.OkReply(), None
 
     def on_WriteRequest(self, msg: P.WriteRequest, payload, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(payload):
@@ -316,7 +332,10 @@ class StorageNode(Service):
                     "ssd_streamed": "objects read from SSD straight to a tcp reader",
                     "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
                     "ssd_corrupt": "damaged SSD records found (checksum failures)",
-                    "ssd_write_errors": "failed SSD writes"}
+                    "ssd_write_errors": "failed SSD writes",
+                    "stream_reads": "objects read through the stream port",
+                    "stream_writes": "objects written through the stream port",
+                    "stream_refused": "stream-port requests refused (bad header, range or token)"}
         for key, help_ in counters.items():
             if key in st:
                 fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
@@ -332,6 +351,7 @@ class StorageNode(Service):
 
     def close(self) -> None:
         super().close()
+        self.streams.close()    # before the segment is unmapped: its threads copy into it
         if self.te is not None:
             self.te.close()     # before the segment is unmapped
         self.store.close()

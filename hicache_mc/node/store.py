@@ -88,6 +88,10 @@ class TieredStore:
         self.ssd.counters["streamed"] += 1
         return rec.size, rec.checksum, data
 
+    def unlease(self, key: str, offset: int) -> None:
+        """A reader released its lease on ``key`` at ``offset`` (see DramTier.unlease)."""
+        self.dram.unlease(key, offset)
+
     def lease(self, key: str, now: float):
         """A DRAM-resident, leased object for the shm path (SSD-only objects are staged in);
         None when absent; ``ON_SSD`` when on SSD but DRAM has no room to stage it now."""

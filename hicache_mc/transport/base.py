@@ -6,8 +6,14 @@ lives (get) or where it goes (put); a transport is called once per node per batc
 
 - ``read(node, keys, ptrs, sizes, deadline) -> list[bool]``: fill ``ptrs[i]`` with the object
   ``keys[i]``; True only when the stored size equals ``sizes[i]`` and the checksum matches.
-- ``write(node, keys, ptrs, sizes, checksums, deadline) -> list[bool]``: store and commit; True
-  once the master has the key (a key already stored is True as well).
+- ``write(node, keys, ptrs, sizes, deadline) -> list[bool]``: store and commit; True once the
+  master has the key (a key already stored is True as well). The transport computes the
+  checksums, where it is cheapest: on the copy it makes (shm), or per group while the previous
+  group is on the wire (tcp).
+
+Bytes are copied and hashed by ``copy_many`` / ``hash_many``: chunk by chunk, so the hash
+reads what the copy just wrote from cache, and split across a small thread pool for batches of
+a MiB or more (``memmove`` and xxh3 release the GIL).
 
 Transport failures (timeouts, error replies) raise; the client turns them into misses.
 """
@@ -15,10 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
+import time
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import xxhash
 
+from .. import protocol as P
 from ..protocol import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -42,6 +55,83 @@ def checksum(data) -> int:
 
 memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
 
+ROUND_BYTES = 64 << 20      # one lease / reservation covers at most this much
+CHUNK = 256 << 10           # copy, then hash from cache, this much at a time
+PARALLEL_MIN = 1 << 20      # batches smaller than this are copied on the calling thread
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))   # the calling thread + helpers
+
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _helpers() -> Optional[ThreadPoolExecutor]:
+    global _pool
+    if COPY_THREADS < 2:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="hicache-mc-copy")
+        return _pool
+
+
+def copy_hash(dst: int, src: int, size: int, digest: bool = True) -> Optional[int]:
+    """memmove ``size`` bytes from ``src`` to ``dst``; with ``digest``, the xxh3-64 of the copy,
+    computed a chunk at a time right after that chunk is copied (same value as one-shot)."""
+    if not digest:
+        memmove(dst, src, size)
+        return None
+    if size <= CHUNK:
+        memmove(dst, src, size)
+        return checksum_at(dst, size)
+    h, view = xxhash.xxh3_64(), buffer_at(dst, size)
+    for off in range(0, size, CHUNK):
+        n = min(CHUNK, size - off)
+        memmove(dst + off, src + off, n)
+        h.update(view[off: off + n])
+    return h.intdigest()
+
+
+def _split(sizes: Sequence[int], parts: int) -> list[range]:
+    """Contiguous index ranges of about equal bytes."""
+    total, bounds, acc, want = sum(sizes), [0], 0, 1
+    for i, s in enumerate(sizes):
+        acc += s
+        if acc * parts >= total * want and len(bounds) < parts and i + 1 < len(sizes):
+            bounds.append(i + 1)
+            want += 1
+    bounds.append(len(sizes))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def run_split(job: Callable[[int], object], sizes: Sequence[int]) -> list:
+    """``[job(i) for i in range(len(sizes))]``, the indices shared by bytes between the calling
+    thread and the copy pool when the batch is large enough to be worth it."""
+    pool = _helpers() if sum(sizes) >= PARALLEL_MIN and len(sizes) > 1 else None
+    if pool is None:
+        return [job(i) for i in range(len(sizes))]
+    shares = _split(sizes, COPY_THREADS)
+    futures = [pool.submit(lambda r=r: [job(i) for i in r]) for r in shares[1:]]
+    out = [job(i) for i in shares[0]]
+    for f in futures:
+        out += f.result()
+    return out
+
+
+def copy_many(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
+              digest: bool = True) -> list[Optional[int]]:
+    """``copy_hash`` over a batch (in parallel when large); the checksums in order."""
+    return run_split(lambda i: copy_hash(dsts[i], srcs[i], sizes[i], digest), sizes)
+
+
+def hash_many(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """xxh3-64 of each buffer (in parallel when large)."""
+    return run_split(lambda i: checksum_at(ptrs[i], sizes[i]), sizes)
+
+
+def address_of(buf) -> int:
+    """Address of a (possibly read-only) contiguous buffer such as a ZeroMQ frame's."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
+
 
 class Transport(ABC):
     name = "base"
@@ -53,11 +143,124 @@ class Transport(ABC):
 
     @abstractmethod
     def write(self, node: NodeInfo, keys: list[str], ptrs: list[int], sizes: list[int],
-              checksums: list[int], deadline: float) -> list[bool]:
+              deadline: float) -> list[bool]:
         """Store objects from caller memory; see the module docstring."""
 
     def close(self) -> None:
         """Release what the transport holds (mappings, registrations)."""
+
+
+def groups(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices in order, grouped so each group's sizes sum to at most ``capacity`` (an item
+    bigger than that goes alone)."""
+    out, cur, total = [], [], 0
+    for i, s in enumerate(sizes):
+        if cur and total + s > capacity:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += s
+    if cur:
+        out.append(cur)
+    return out
+
+
+class LeasedTransport(Transport):
+    """Reads under the node's ``Lease``, writes under ``Reserve`` + ``Commit``; a subclass moves
+    the bytes between caller memory and node offsets (``fetch`` / ``store``): shm through a
+    mapping, mooncake with the Transfer Engine, tcp through the node's stream port.
+
+    A batch goes in rounds of at most ``ROUND_BYTES``, each under its own lease or reservation,
+    so a round ends far inside it. A read that outlives its lease is a miss (the slots may have
+    been reused); a write that outlives its reservation is not committed. Objects the node
+    holds only on SSD and cannot stage into DRAM (``LEASE_STREAM``) are read through
+    ``stream``, the ZeroMQ frames path, where the node reads them from disk itself.
+    """
+
+    def __init__(self, channel_for, checks: "ChecksumCounter", verify: bool = True,
+                 stream: Optional[Transport] = None):
+        self.channel_for = channel_for      # node address -> this thread's channel
+        self.checks = checks
+        self.verify = verify
+        self.stream = stream
+        self.counters = {"streamed": 0}     # objects read through ``stream``
+
+    @abstractmethod
+    def fetch(self, node: NodeInfo, offsets: list[int], dsts: list[int], sizes: list[int],
+              until: float) -> list[Optional[int]]:
+        """Copy node ranges into caller memory before ``until``; the checksum of each copy
+        (when ``verify``; None otherwise)."""
+
+    @abstractmethod
+    def store(self, node: NodeInfo, offsets: list[int], srcs: list[int], sizes: list[int],
+              until: float) -> list[int]:
+        """Copy caller memory into reserved node ranges before ``until``; their checksums."""
+
+    def read(self, node, keys, ptrs, sizes, deadline):
+        out, streamed = [False] * len(keys), []
+        for idx in groups(sizes, ROUND_BYTES):
+            streamed += self._read_round(node, idx, keys, ptrs, sizes, deadline, out)
+        if streamed and self.stream is not None:
+            self.counters["streamed"] += len(streamed)
+            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
+                                   [sizes[i] for i in streamed], deadline)
+            for i, ok in zip(streamed, got):
+                out[i] = ok
+        return out
+
+    def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
+        ch = self.channel_for(node.address)
+        reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest([keys[i] for i in idx])), deadline)[0])
+        todo, sums, offs, streamed = [], [], [], []
+        for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
+            if off == P.LEASE_STREAM:
+                streamed.append(i)
+            elif off >= 0 and have == sizes[i]:
+                todo.append(i)
+                offs.append(off)
+                sums.append(expected)
+        if todo:
+            got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
+                             min(deadline, reply.deadline))
+            # done with the slots: the node may reuse them now (the reply is not awaited). A
+            # failed fetch releases nothing: a transfer it abandoned may still be running.
+            ch.forget([ch.send(P.ReleaseRequest([keys[i] for i in todo], offs))])
+            if time.monotonic() > reply.deadline:
+                log.warning("%s read of %d objects outlived its lease; treated as misses",
+                            self.name, len(todo))
+                return streamed
+            for i, expected, actual in zip(todo, sums, got):
+                out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
+        return streamed
+
+    def write(self, node, keys, ptrs, sizes, deadline):
+        out = [False] * len(keys)
+        for idx in groups(sizes, ROUND_BYTES):
+            self._write_round(node, idx, keys, ptrs, sizes, deadline, out)
+        return out
+
+    def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
+        ch = self.channel_for(node.address)
+        reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest([keys[i] for i in idx],
+                                                                  [sizes[i] for i in idx])), deadline)[0])
+        todo, offs = [], []
+        for i, off in zip(idx, reply.offsets):
+            if off == P.RESERVE_STORED:
+                out[i] = True           # stored already
+            elif off >= 0:
+                todo.append(i)
+                offs.append(off)
+        if not todo:
+            return
+        sums = self.store(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
+                          min(deadline, reply.deadline))
+        if time.monotonic() > reply.deadline:
+            log.warning("%s write outlived its reservation; not committing %d objects",
+                        self.name, len(todo))
+            return
+        commit = P.CommitRequest([keys[i] for i in todo], sums)
+        for i, ok in zip(todo, P.raise_if_error(ch.recv(ch.send(commit), deadline)[0]).ok):
+            out[i] = ok
 
 
 class ChecksumCounter:

@@ -32,8 +32,8 @@ reused meanwhile); registered caller memory of those keys may still receive byte
 limit, kept short by building the client's TE with ``MC_TRANSFER_TIMEOUT = max(5, timeout_s)``
 unless the user set it).
 
-Transfers go in rounds of at most ``ROUND_BYTES``, each under its own lease or reservation, so a
-round finishes far inside the lease even at loopback-TCP speed.
+Leases, reservations, rounds and verification are ``LeasedTransport``'s (transport/base.py),
+shared with shm and tcp; this module only moves the bytes.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ from typing import Callable, Optional
 from .. import protocol as P
 from ..errors import HicacheError
 from ..rpc import Channel
-from .base import ChecksumCounter, Transport, checksum_at, memmove
+from .base import ChecksumCounter, LeasedTransport, Transport, groups, hash_many, memmove
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ INSTALL_HINT = ("install it with `pip install mooncake-transfer-engine-non-cuda`
 # Bytes per lease/reservation round. The TE moved ~1 GB/s over loopback TCP on the 2-core
 # development machine (0.7-1.1 GB/s for 1 MiB objects), so a round takes ~70 ms against a
 # 1.6 s lease (lease_s 2.0 x 0.8); over RDMA it is a few ms. Round trips cost ~0.3 ms each.
-ROUND_BYTES = 64 << 20
 TE_WORKERS = 16       # threads that may wait inside TE calls at once (a hung peer holds one)
 # Sleep between status polls of a transfer. The TE's sync calls spin a core while they wait.
 # Through StoreClient on the 2-core development machine (loopback TCP, load average ~15 from
@@ -292,17 +291,14 @@ class Staging:
         self.mm.close()
 
 
-class MooncakeTransport(Transport):
+class MooncakeTransport(LeasedTransport):
     name = "mooncake"
 
     def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
                  verify: bool = True, stream: Optional[Transport] = None, *, master: str = "",
                  protocol: str = "", device: str = "", metadata: str = "P2PHANDSHAKE",
                  hostname: str = "", staging_bytes: int = 64 << 20, timeout_s: float = 5.0):
-        self.channel_for = channel_for
-        self.checks = checks
-        self.verify = verify
-        self.stream = stream                # reads the node cannot stage in DRAM go this way
+        super().__init__(channel_for, checks, verify, stream)
         self.master, self.protocol, self.device = master, protocol, device
         self.metadata, self.hostname = metadata, hostname
         self.staging_bytes, self.timeout_s = staging_bytes, timeout_s
@@ -468,7 +464,7 @@ class MooncakeTransport(Transport):
         small = [it for it in bounced if it[2] <= self.staging_bytes]
         if small:
             with self._staging_lock:
-                for idx in _groups([it[2] for it in small], self.staging_bytes):
+                for idx in groups([it[2] for it in small], self.staging_bytes):
                     self._staged(node, read, [small[i] for i in idx], deadline)
 
     def _staged(self, node, read: bool, chunk: list[tuple[int, int, int]], deadline: float) -> None:
@@ -493,67 +489,14 @@ class MooncakeTransport(Transport):
 
     # -------------------------------------------------------------- Transport
 
-    def read(self, node, keys, ptrs, sizes, deadline):
-        out = [False] * len(keys)
-        for idx in _groups(sizes, ROUND_BYTES):
-            got = self._read_round(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                   [sizes[i] for i in idx], deadline)
-            for i, ok in zip(idx, got):
-                out[i] = ok
-        return out
+    def fetch(self, node, offsets, dsts, sizes, until):
+        self._move(node, True, list(zip(dsts, offsets, sizes)), until)
+        return hash_many(dsts, sizes) if self.verify else [None] * len(sizes)
 
-    def _read_round(self, node, keys, ptrs, sizes, deadline):
-        ch = self.channel_for(node.address)
-        reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest(keys)), deadline)[0])
-        out, streamed, items, where = [False] * len(keys), [], [], []
-        for i, (ptr, want, off, have) in enumerate(zip(ptrs, sizes, reply.offsets, reply.sizes)):
-            if off == P.LEASE_STREAM and self.stream is not None:
-                streamed.append(i)
-            elif off >= 0 and have == want:
-                items.append((ptr, off, have))
-                where.append(i)
-        if items:
-            # a copy after the lease could read a reused slot: stop at the lease's end
-            self._move(node, True, items, min(deadline, reply.deadline))
-            if time.monotonic() > reply.deadline:
-                log.warning("TE read of %d objects outlived its lease; treated as misses", len(items))
-                return out
-            for i in where:
-                out[i] = not self.verify or self.checks.check(
-                    keys[i], reply.checksums[i], checksum_at(ptrs[i], sizes[i]))
-        if streamed:
-            self.counters["streamed"] += len(streamed)
-            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
-                                   [sizes[i] for i in streamed], deadline)
-            for i, ok in zip(streamed, got):
-                out[i] = ok
-        return out
-
-    def write(self, node, keys, ptrs, sizes, checksums, deadline):
-        out = [False] * len(keys)
-        for idx in _groups(sizes, ROUND_BYTES):
-            got = self._write_round(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                    [sizes[i] for i in idx], [checksums[i] for i in idx], deadline)
-            for i, ok in zip(idx, got):
-                out[i] = ok
-        return out
-
-    def _write_round(self, node, keys, ptrs, sizes, checksums, deadline):
-        ch = self.channel_for(node.address)
-        reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)[0])
-        done = [off == P.RESERVE_STORED for off in reply.offsets]   # stored already
-        where = [i for i, off in enumerate(reply.offsets) if off >= 0]
-        if not where:
-            return done
-        self._move(node, False, [(ptrs[i], reply.offsets[i], sizes[i]) for i in where],
-                   min(deadline, reply.deadline))
-        if time.monotonic() > reply.deadline:
-            log.warning("TE write outlived its reservation; not committing %d objects", len(where))
-            return done
-        commit = P.CommitRequest([keys[i] for i in where], [checksums[i] for i in where])
-        for i, ok in zip(where, P.raise_if_error(ch.recv(ch.send(commit), deadline)[0]).ok):
-            done[i] = ok
-        return done
+    def store(self, node, offsets, srcs, sizes, until):
+        sums = hash_many(srcs, sizes)
+        self._move(node, False, list(zip(srcs, offsets, sizes)), until)
+        return sums
 
     def close(self) -> None:
         """Unregister this client's memory; the shared TE stays (see SharedEngine)."""
@@ -586,18 +529,3 @@ def _reap(te, pending: list[int], callbacks: list) -> None:
 
 def _inside(regions: tuple, ptr: int, size: int) -> bool:
     return any(start <= ptr and ptr + size <= start + n for start, n in regions)
-
-
-def _groups(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Indices in order, grouped so each group's sizes sum to at most ``capacity`` (an item
-    bigger than that goes alone)."""
-    groups, cur, total = [], [], 0
-    for i, s in enumerate(sizes):
-        if cur and total + s > capacity:
-            groups.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += s
-    if cur:
-        groups.append(cur)
-    return groups

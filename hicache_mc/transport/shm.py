@@ -1,9 +1,11 @@
 """ShmTransport: same-host clients map the node's DRAM segment and copy directly.
 
-get: ``Lease`` returns offsets valid until a deadline; the client memmoves out of its own
+get: ``Lease`` returns offsets valid until a deadline; the client copies out of its own
 mapping and verifies the checksum on the copy (a slot rewritten mid-copy cannot pass).
-put: ``Reserve`` returns slots, the client memmoves in, then ``Commit`` (with the checksums it
-computed) makes the keys visible once the master has them. The node never touches the bytes.
+put: ``Reserve`` returns slots, the client copies in, hashing what it wrote, then ``Commit``
+(with those checksums) makes the keys visible once the master has them. The node never
+touches the bytes. Copies go through ``copy_many``: chunked copy-then-hash, several threads
+for large batches; leases, reservations and rounds are ``LeasedTransport``'s.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable, Optional
 from .. import protocol as P
 from ..errors import StoreUnavailable
 from ..rpc import Channel
-from .base import ChecksumCounter, Transport, checksum_at, memmove
+from .base import ChecksumCounter, LeasedTransport, Transport, copy_many
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +69,12 @@ class Segment:
             pass
 
 
-class ShmTransport(Transport):
+class ShmTransport(LeasedTransport):
     name = "shm"
 
     def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
                  verify: bool = True, stream: Optional[Transport] = None):
-        self.stream = stream                # reads the node cannot stage in DRAM go this way
-        self.channel_for = channel_for
-        self.checks = checks
-        self.verify = verify
+        super().__init__(channel_for, checks, verify, stream)
         self._segments: dict[str, Optional[Segment]] = {}
         self._lock = threading.Lock()
         self._next_sweep = 0.0
@@ -129,61 +128,20 @@ class ShmTransport(Transport):
                 if seg.retired and seg.users == 0:
                     seg.close()
 
-    def read(self, node, keys, ptrs, sizes, deadline):
+    def fetch(self, node, offsets, dsts, sizes, until):
         with self._using(node) as seg:
-            return self._read(seg, node, keys, ptrs, sizes, deadline)
+            return copy_many(dsts, self._at(seg, offsets, sizes), sizes, self.verify)
 
-    def _read(self, seg, node, keys, ptrs, sizes, deadline):
-        ch = self.channel_for(node.address)
-        reply, _ = ch.recv(ch.send(P.LeaseRequest(keys)), deadline)
-        reply = P.raise_if_error(reply)
-        out, streamed = [], []
-        for i, (key, ptr, want, off, have, expected) in enumerate(
-                zip(keys, ptrs, sizes, reply.offsets, reply.sizes, reply.checksums)):
-            if off == P.LEASE_STREAM and self.stream is not None:
-                streamed.append(i)
-                out.append(False)
-                continue
-            if off < 0 or have != want or off + have > seg.size:
-                out.append(False)
-                continue
-            memmove(ptr, seg.base + off, have)
-            ok = not self.verify or self.checks.check(key, expected, checksum_at(ptr, have))
-            out.append(ok)
-        if time.monotonic() > reply.deadline:   # too slow: the slots may have been reused
-            log.warning("shm read of %d objects outlived its lease; treated as misses", len(keys))
-            return [False] * len(keys)
-        if streamed:
-            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
-                                   [sizes[i] for i in streamed], deadline)
-            for i, ok in zip(streamed, got):
-                out[i] = ok
-        return out
+    def store(self, node, offsets, srcs, sizes, until):
+        with self._using(node) as seg:    # checksums of the stored copies, taken as they are written
+            return copy_many(self._at(seg, offsets, sizes), srcs, sizes)
 
-    def write(self, node, keys, ptrs, sizes, checksums, deadline):
-        with self._using(node) as seg:
-            return self._write(seg, node, keys, ptrs, sizes, checksums, deadline)
-
-    def _write(self, seg, node, keys, ptrs, sizes, checksums, deadline):
-        ch = self.channel_for(node.address)
-        reply, _ = ch.recv(ch.send(P.ReserveRequest(keys, sizes)), deadline)
-        reply = P.raise_if_error(reply)
-        done = [off == P.RESERVE_STORED for off in reply.offsets]   # stored already
-        commit_keys, commit_sums, where = [], [], []
-        for i, (key, ptr, size, off) in enumerate(zip(keys, ptrs, sizes, reply.offsets)):
-            if off >= 0 and off + size <= seg.size:
-                memmove(seg.base + off, ptr, size)
-                commit_keys.append(key)
-                commit_sums.append(checksums[i])
-                where.append(i)
-        if time.monotonic() > reply.deadline:
-            log.warning("shm write outlived its reservation; not committing %d objects", len(where))
-            return done
-        if commit_keys:
-            reply, _ = ch.recv(ch.send(P.CommitRequest(commit_keys, commit_sums)), deadline)
-            for i, ok in zip(where, P.raise_if_error(reply).ok):
-                done[i] = ok
-        return done
+    @staticmethod
+    def _at(seg: Segment, offsets: list[int], sizes: list[int]) -> list[int]:
+        for off, size in zip(offsets, sizes):
+            if off + size > seg.size:
+                raise StoreUnavailable(f"node offset {off}+{size} is past its segment ({seg.size} bytes)")
+        return [seg.base + off for off in offsets]
 
     def close(self) -> None:
         with self._lock:

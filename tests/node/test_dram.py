@@ -61,3 +61,59 @@ def test_expired_reservation_is_reclaimed(tier):
     assert off >= 0
     tier.maintain(2.0)
     assert "r" not in tier.reserved and not tier.commit("r", 1)
+
+
+def test_released_lease_frees_a_removed_slot_at_once(tier):
+    for i in range(4):
+        assert put(tier, f"k{i}", 256 << 10, now=0.0)
+    obj = tier.lease("k0", now=5.0)
+    tier.remove(["k0"], now=5.1)                         # leased: quarantined until 6.0
+    assert tier.stats()["quarantined"] == 1
+    tier.unlease("k0", obj.offset)                        # the reader is done
+    assert tier.stats()["quarantined"] == 0
+    assert tier._quarantined_bytes == 0
+    assert tier.reserve("n", 256 << 10, 5.2, 1.0) == obj.offset   # reused, nothing evicted
+    assert tier.evictions == 0
+
+
+def test_slot_stays_protected_while_another_reader_holds_it(tier):
+    assert put(tier, "a", 1000, now=0.0)
+    obj = tier.lease("a", now=1.0)
+    tier.lease("a", now=1.1)                              # a second reader
+    tier.remove(["a"], now=1.2)
+    tier.unlease("a", obj.offset)
+    assert tier.stats()["quarantined"] == 1               # the second reader still copies
+    tier.unlease("a", obj.offset)
+    assert tier.stats()["quarantined"] == 0
+    tier.unlease("a", obj.offset)                         # a stray release changes nothing
+
+
+def test_release_does_not_free_a_reused_slot_or_an_expired_reservation(tier):
+    assert put(tier, "a", 1000, now=0.0)
+    obj = tier.lease("a", now=1.0)
+    tier.remove(["a"], now=1.1)
+    tier.unlease("a", obj.offset)                         # slot free again ...
+    assert put(tier, "b", 1000, now=1.2)                  # ... and reused by b
+    assert tier.objects["b"].offset == obj.offset
+    tier.unlease("a", obj.offset)                         # a late duplicate must not touch b
+    assert "b" in tier.objects and tier.alloc.used >= 1000
+    off = tier.reserve("r", 1000, now=2.0, hold_s=1.0)
+    tier.maintain(3.5)                                    # expired: held for one lease
+    tier.unlease("r", off)                                # nobody leased it: still held
+    assert tier.stats()["quarantined"] == 1
+    tier.maintain(10.0)
+    assert tier.stats()["quarantined"] == 0
+
+
+def test_quarantine_entry_of_a_released_slot_is_skipped_later(tier):
+    assert put(tier, "a", 1000, now=0.0)
+    obj = tier.lease("a", now=1.0)                        # until 2.0
+    tier.remove(["a"], now=1.1)
+    tier.unlease("a", obj.offset)
+    assert put(tier, "b", 1000, now=1.2)                  # takes the slot
+    tier.lease("b", now=1.3)                              # until 2.3
+    tier.remove(["b"], now=1.4)                           # quarantined again, same offset
+    tier.maintain(2.1)                                    # a's stale heap entry pops: b stays held
+    assert tier.stats()["quarantined"] == 1
+    tier.maintain(2.4)
+    assert tier.stats()["quarantined"] == 0 and tier._quarantined_bytes == 0
