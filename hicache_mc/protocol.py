@@ -24,7 +24,7 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 2   # bump whenever a message's fields or meaning change (2: Exists/Locate per-key entries, quotas)
+VERSION = 3   # bump whenever a message's fields or meaning change (3: column-wise locations, Release, data_address)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
@@ -113,12 +113,28 @@ class ExistsRequest(Message):
     keys: list[str]
 
 
+class Locations:
+    """Where keys live, column-wise (cheap to build, encode and decode for 128+ keys): key i
+    is held by node ``held_by[holders[i]]`` (-1: the master does not have it), with
+    ``sizes[i]`` bytes and checksum ``checksums[i]``; ``nodes`` maps each holder's id to its
+    ``NodeInfo.to_dict()``. (The fields are declared by the messages that use this.)"""
+
+    def located(self) -> list:
+        """Per key: (node_id, size, checksum), or None where the master does not have it."""
+        names = self.held_by
+        return [None if h < 0 else (names[h], size, checksum)
+                for h, size, checksum in zip(self.holders, self.sizes, self.checksums)]
+
+
 @message
-class ExistsReply(Message):
+class ExistsReply(Message, Locations):
     count: int           # length of the leading run of keys stored on live nodes
-    # [node_id, size, checksum] of each key of that run, and the nodes' records: the client may
-    # keep them briefly for the get that usually follows, saving a Locate round trip.
-    entries: list[list]
+    # The locations of that run's keys: the client may keep them briefly for the get that
+    # usually follows, saving a Locate round trip.
+    held_by: list[str]
+    holders: list[int]
+    sizes: list[int]
+    checksums: list[int]
     nodes: dict[str, dict]
 
 
@@ -138,10 +154,13 @@ class LocateRequest(Message):
 
 
 @message
-class LocateReply(Message):
-    # Per key: [node_id, size, checksum], or [] for a key the master does not have.
-    entries: list[list]
-    nodes: dict[str, dict]   # node_id -> NodeInfo.to_dict()
+class LocateReply(Message, Locations):
+    # Every key's location (holder -1 for a key the master does not have); see Locations.
+    held_by: list[str]
+    holders: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    nodes: dict[str, dict]
 
 
 @message

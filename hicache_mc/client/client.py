@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from itertools import repeat
 from typing import Optional, Sequence
 
 import numpy as np
@@ -201,9 +202,7 @@ class StoreClient:
         self._learn(reply.nodes)
         if len(self._where) > LOCATION_CACHE_MAX:
             self._where.clear()
-        expires = time.monotonic() + LOCATION_TTL_S
-        for key, entry in zip(keys, reply.entries):
-            self._where[key] = (expires, entry)
+        self._where.update(zip(keys, zip(repeat(time.monotonic() + LOCATION_TTL_S), reply.located())))
         return reply.count
 
     def _cached_locations(self, keys: list[str]) -> Optional[list]:
@@ -245,7 +244,7 @@ class StoreClient:
         if entries is None:
             located = self._master(P.LocateRequest(keys), deadline)
             self._learn(located.nodes)
-            entries = located.entries
+            entries = located.located()
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, entry in enumerate(entries):
             if entry and entry[1] == sizes[i]:
@@ -302,7 +301,7 @@ class StoreClient:
     def get(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None on a miss."""
         def locate():
-            entry = self._master(P.LocateRequest([key]), self._deadline()).entries[0]
+            entry = self._master(P.LocateRequest([key]), self._deadline()).located()[0]
             return entry[1] if entry else -1
         size = self._guard(locate, -1)
         if size < 0:
@@ -358,6 +357,8 @@ class StoreClient:
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
     keys = list(keys)
+    if set(map(type, keys)) <= {str} and all(keys):   # the usual case, checked in C
+        return keys
     for k in keys:
         if not isinstance(k, str) or not k:
             raise ValueError(f"keys must be non-empty strings, got {k!r}")

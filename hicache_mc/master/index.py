@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 
 from xxhash import xxh3_128_digest
 
-_CHECKSUM_MASK = (1 << 64) - 1
-_SIZE_MASK = (1 << 40) - 1
+CHECKSUM_MASK = (1 << 64) - 1
+SIZE_MASK = (1 << 40) - 1       # a packed value: checksum | size << 64 | node_slot << 104
 
 
 class NodeSlots:
@@ -25,17 +25,17 @@ class NodeSlots:
 
     def __init__(self):
         self._slot: dict[str, int] = {}
-        self._ids: list[str] = []
+        self.ids: list[str] = []        # slot -> node id
 
     def slot(self, node_id: str) -> int:
         s = self._slot.get(node_id)
         if s is None:
-            s = self._slot[node_id] = len(self._ids)
-            self._ids.append(node_id)
+            s = self._slot[node_id] = len(self.ids)
+            self.ids.append(node_id)
         return s
 
     def node_id(self, slot: int) -> str:
-        return self._ids[slot]
+        return self.ids[slot]
 
 
 def _d(key: str) -> bytes:
@@ -52,13 +52,22 @@ class KeyIndex:
         return len(self._map)
 
     def add(self, key: str, slot: int, size: int, checksum: int) -> None:
-        self._map[_d(key)] = (checksum & _CHECKSUM_MASK) | (size & _SIZE_MASK) << 64 | slot << 104
+        self._map[_d(key)] = (checksum & CHECKSUM_MASK) | (size & SIZE_MASK) << 64 | slot << 104
 
     def get(self, key: str) -> Optional[tuple[int, int, int]]:
         v = self._map.get(_d(key))
         if v is None:
             return None
-        return v >> 104, (v >> 64) & _SIZE_MASK, v & _CHECKSUM_MASK
+        return v >> 104, (v >> 64) & SIZE_MASK, v & CHECKSUM_MASK
+
+    def get_many(self, keys: list[str]) -> list[Optional[int]]:
+        """The packed value of each key (None when absent), digested and looked up in C-level
+        loops; ``unpack`` splits a value."""
+        return list(map(self._map.get, map(xxh3_128_digest, map(str.encode, keys))))
+
+    @staticmethod
+    def unpack(v: int) -> tuple[int, int, int]:
+        return v >> 104, (v >> 64) & SIZE_MASK, v & CHECKSUM_MASK
 
     def slot_of(self, key: str) -> Optional[int]:
         v = self._map.get(_d(key))

@@ -15,6 +15,10 @@ class NodeState:
     last_seen: float
     stats: dict = field(default_factory=dict)
     planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
+    record: dict = field(default_factory=dict)   # info.to_dict(), built once: replies carry it
+
+    def __post_init__(self):
+        self.record = self.info.to_dict()
 
     @property
     def free(self) -> int:
@@ -57,14 +61,17 @@ class NodeRegistry:
         Within the candidate set each object goes to the node with the most estimated free
         space, so one batch spreads over equal nodes. None where no live node exists.
         """
-        local = [st for st in self.nodes.values() if st.info.host == host]
+        everyone = list(self.nodes.values())
+        local = [st for st in everyone if st.info.host == host]
+        free = {st.info.node_id: st.free for st in everyone}     # kept current as we place
         result: list[Optional[str]] = []
         for size in sizes:
-            pool = local if any(st.free >= size for st in local) else list(self.nodes.values())
+            pool = local if any(free[st.info.node_id] >= size for st in local) else everyone
             if not pool:
                 result.append(None)
                 continue
-            best = max(pool, key=lambda st: st.free)
+            best = pool[0] if len(pool) == 1 else max(pool, key=lambda st: free[st.info.node_id])
             best.planned += size
+            free[best.info.node_id] -= size
             result.append(best.info.node_id)
         return result

@@ -7,6 +7,7 @@ the nodes and loses nothing that a live node still holds.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import uuid
 
@@ -14,7 +15,7 @@ from .. import protocol as P
 from ..config import MasterConfig
 from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
-from .index import KeyIndex, NodeSlots
+from .index import CHECKSUM_MASK, SIZE_MASK, KeyIndex, NodeSlots
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -56,32 +57,36 @@ class MasterService(Service):
 
     def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id):
         self.counters["exists_calls"] += 1
-        entries, nodes, _ = self._locate(msg.keys, stop_at_miss=True)
+        found, where = self._locate(msg.keys, stop_at_miss=True)
         # the probe's run is what a get will read (it skips Locate): count it like Locate does
-        hits = [i < len(entries) for i in range(len(msg.keys))]
-        self.counters["hits"] += len(entries)
-        self.counters["misses"] += len(msg.keys) - len(entries)
-        self._count_namespaces(msg.keys, hits)
-        return P.ExistsReply(len(entries), entries, nodes), None
+        self.counters["hits"] += found
+        self.counters["misses"] += len(msg.keys) - found
+        self._count_namespaces(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
+        return P.ExistsReply(found, *where), None
 
     def _locate(self, keys: list[str], stop_at_miss: bool):
-        """([node_id, size, checksum] or [] per key, the nodes' records, hit flags)."""
+        """(how many keys were found, [held_by, holders, sizes, checksums, nodes] as in
+        ``P.Locations``). With ``stop_at_miss`` only the leading run is located. The hot path
+        of every probe: column-wise, in comprehensions rather than calls per key."""
         live = self.registry.live_slots()
-        entries, nodes, hits = [], {}, []
-        for key in keys:
-            hit = self.index.get(key)
-            if hit is None or hit[0] not in live:
-                if stop_at_miss:
-                    break
-                entries.append([])
-                hits.append(False)
-                continue
-            node_id = self.slots.node_id(hit[0])
-            entries.append([node_id, hit[1], hit[2]])
-            hits.append(True)
-            if node_id not in nodes:
-                nodes[node_id] = self.registry.nodes[node_id].info.to_dict()
-        return entries, nodes, hits
+        values = self.index.get_many(keys)
+        slots = [-1 if v is None else v >> 104 for v in values]
+        on_live = list(map(live.__contains__, slots))
+        if stop_at_miss:
+            run = on_live.index(False) if False in on_live else len(keys)
+            values, slots, on_live = values[:run], slots[:run], on_live[:run]
+        found = sum(on_live)
+        held = sorted(set(slots) & live)
+        held_by = [self.slots.ids[s] for s in held]
+        if len(held) == 1 and found == len(slots):
+            holders = [0] * found
+        else:
+            pos = {s: i for i, s in enumerate(held)}
+            holders = [pos[s] if ok else -1 for s, ok in zip(slots, on_live)]
+        sizes = [0 if v is None else (v >> 64) & SIZE_MASK for v in values]
+        checksums = [0 if v is None else v & CHECKSUM_MASK for v in values]
+        nodes = {n: self.registry.nodes[n].record for n in held_by}
+        return found, [held_by, holders, sizes, checksums, nodes]
 
     def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
         self.counters["exists_calls"] += 1
@@ -90,23 +95,32 @@ class MasterService(Service):
 
     def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id):
         self.counters["locate_calls"] += 1
-        entries, nodes, hits = self._locate(msg.keys, stop_at_miss=False)
-        found = sum(hits)
+        found, where = self._locate(msg.keys, stop_at_miss=False)
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
-        self._count_namespaces(msg.keys, hits)
-        return P.LocateReply(entries, nodes), None
+        self._count_namespaces(msg.keys, [h >= 0 for h in where[1]])
+        return P.LocateReply(*where), None
 
     def _count_namespaces(self, keys: list[str], hits: list[bool]) -> None:
         """Hits and misses per key namespace (the part before the first '/')."""
+        if not keys:
+            return
+        first = keys[0].partition("/")
+        if first[1] and all(map(operator.methodcaller("startswith", first[0] + "/"), keys)):
+            found = sum(hits)   # the usual batch: one namespace
+            self._count_namespace(first[0], found, len(keys) - found)
+            return
         for key, hit in zip(keys, hits):
-            ns = key.split("/", 1)[0] if "/" in key else ""
-            row = self.by_namespace.get(ns)
-            if row is None:
-                if len(self.by_namespace) >= MAX_NAMESPACES:
-                    ns = "(other)"
-                row = self.by_namespace.setdefault(ns, [0, 0])
-            row[0 if hit else 1] += 1
+            self._count_namespace(key.split("/", 1)[0] if "/" in key else "", int(hit), int(not hit))
+
+    def _count_namespace(self, ns: str, hits: int, misses: int) -> None:
+        row = self.by_namespace.get(ns)
+        if row is None:
+            if len(self.by_namespace) >= MAX_NAMESPACES:
+                ns = "(other)"
+            row = self.by_namespace.setdefault(ns, [0, 0])
+        row[0] += hits
+        row[1] += misses
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
@@ -120,7 +134,7 @@ class MasterService(Service):
         targets: list = [None] * len(msg.keys)
         for i, node_id in zip(todo, chosen):
             targets[i] = node_id if node_id is not None else ""
-        nodes = {t: self.registry.nodes[t].info.to_dict() for t in set(chosen) if t}
+        nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
         self.counters["placed"] += len(todo)
         self.counters["deduplicated"] += len(msg.keys) - len(todo)
         return P.PlaceReply(targets, nodes), None

@@ -318,8 +318,8 @@ def locate(master: str, keys: list[str]) -> dict[str, str]:
         batch = keys[i: i + 128]
         reply = request(master, P.LocateRequest(batch), 5.0)
         assert isinstance(reply, P.LocateReply), reply
-        for k, entry in zip(batch, reply.entries):
-            if entry:                                   # [] = a key the master does not have
+        for k, entry in zip(batch, reply.located()):
+            if entry:                                   # None = a key the master does not have
                 out[k] = reply.nodes[entry[0]]["address"]
     return out
 
