@@ -286,6 +286,9 @@ class WriteReply(Message):
 class ReserveRequest(Message):
     keys: list[str]
     sizes: list[int]
+    # False: only free space, now (no eviction, no waiting for room): a writer reserving
+    # before the master has placed the keys must not make room it may not use
+    evict: bool = True
 
 
 RESERVE_FULL = -1    # ReserveReply offset: no room for it (or over quota / too large)

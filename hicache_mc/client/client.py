@@ -22,7 +22,7 @@ from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError
 from ..rpc import Channel
-from ..transport.base import ChecksumCounter, Transport
+from ..transport.base import ROUND_BYTES, ChecksumCounter, LeasedTransport, Transport
 from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
@@ -78,7 +78,8 @@ class StoreClient:
         self._channels_lock = threading.Lock()
         self._nodes: dict[str, P.NodeInfo] = {}
         self._node_records: dict[str, dict] = {}
-        self._where: dict[str, tuple[float, list]] = {}   # key -> (expiry, entry) from Exists
+        self._where: dict[str, tuple[float, tuple]] = {}  # key -> (expiry, location) from Exists
+        self._writer: Optional[str] = None    # the node on this host the last put went to
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -271,13 +272,24 @@ class StoreClient:
         if not keys:
             return []
         deadline = self._deadline()
-        placed = self._master(P.PlaceRequest(keys, sizes, self.host), deadline)
+        mch = self._channel(self.config.master)
+        place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
+        early = self._reserve_early(keys, sizes)   # overlaps the Place round trip
+        try:
+            placed = P.raise_if_error(mch.recv(place_rid, deadline)[0])
+        except Exception:
+            if early is not None:
+                self._channel(early[0].address).forget([early[2]])
+            raise
         self._learn(placed.nodes)
         result = [t is None for t in placed.targets]      # None: already stored
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, target in enumerate(placed.targets):
             if target:
                 by_node[target].append(i)
+        self._remember_writer(by_node)
+        if early is not None:
+            self._put_early(early, by_node, keys, ptrs, sizes, deadline, result)
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
             sub_ptrs, sub_sizes = [ptrs[i] for i in idx], [sizes[i] for i in idx]
@@ -287,6 +299,53 @@ class StoreClient:
                 result[i] = good
             self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
         return result
+
+    # A put asks the master where each object goes (Place) and then reserves room on that node.
+    # Placement puts a writer's objects on its own host first, so after one put the node is
+    # known: later puts send the Reserve to it alongside the Place, saving a round trip. The
+    # master still decides: keys it deduplicates or places elsewhere give their slots back.
+
+    def _remember_writer(self, by_node: dict[str, list[int]]) -> None:
+        if len(by_node) == 1:
+            node = self._nodes.get(next(iter(by_node)))
+            self._writer = node.node_id if node is not None and node.host == self.host else None
+        elif by_node:
+            self._writer = None
+
+    def _reserve_early(self, keys, sizes) -> Optional[tuple]:
+        """(node, transport, request id) of a Reserve sent to the node the last put went to,
+        or None when there is no such node or the batch needs more than one round."""
+        node = self._nodes.get(self._writer) if self._writer else None
+        if node is None or sum(sizes) > ROUND_BYTES:
+            return None
+        transport = self.transport_for(node)
+        if not isinstance(transport, LeasedTransport) or (transport is self.tcp and not node.data_address):
+            return None
+        return node, transport, transport.reserve(node, keys, sizes, evict=False)
+
+    def _put_early(self, early, by_node, keys, ptrs, sizes, deadline, result) -> None:
+        """Finish the objects placed on the early-reserved node; give back the other slots."""
+        node, transport, rid = early
+        mine = by_node.pop(node.node_id, [])
+        try:
+            reply = P.raise_if_error(self._channel(node.address).recv(rid, deadline)[0])
+        except HicacheError:
+            self._writer = None
+            if mine:
+                raise
+            return
+        self.counters["reserve_early"] += 1
+        taken = set(mine)
+        spare = [i for i, off in enumerate(reply.offsets) if off >= 0 and i not in taken]
+        transport.cancel(node, [keys[i] for i in spare], [reply.offsets[i] for i in spare])
+        short = [i for i in mine if reply.offsets[i] == P.RESERVE_FULL]
+        if short:       # no free room there now: the ordinary path may evict to make some
+            by_node[node.node_id] = short
+            mine = [i for i in mine if reply.offsets[i] != P.RESERVE_FULL]
+        if mine:
+            transport.fill(node, mine, keys, ptrs, sizes, [reply.offsets[i] for i in mine],
+                           reply.deadline, deadline, result)
+            self.counters["bytes_written"] += sum(sizes[i] for i in mine if result[i])
 
     # -------------------------------------------------------------- single-key API
 

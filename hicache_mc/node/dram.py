@@ -70,11 +70,14 @@ class DramTier:
 
     # ------------------------------------------------------------ writes
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
-        """Offset of a slot for ``key`` (commit before now+hold_s); -1 = no room, -2 = stored."""
+    def reserve(self, key: str, size: int, now: float, hold_s: float, evict: bool = True) -> int:
+        """Offset of a slot for ``key`` (commit before now+hold_s); -1 = no room, -2 = stored.
+        ``evict=False``: free space only."""
         if key in self.objects or key in self.reserved:
             return -2
-        offset = self._allocate(size, now)
+        if not evict and self.alloc.used + size > self.high:
+            return -1       # it would push maintain() into evicting
+        offset = self._allocate(size, now, evict)
         if offset >= 0:
             self.reserved[key] = (Obj(offset, size, 0), now + hold_s)
         return offset
@@ -111,9 +114,15 @@ class DramTier:
         return obj
 
     def unlease(self, key: str, offset: int) -> None:
-        """A reader is done with the lease it took on ``key`` at ``offset``. When no reader is
+        """A writer gives back the slot it reserved for ``key`` at ``offset`` without filling
+        it, or a reader is done with the lease it took on it. When no reader is
         left the object is unprotected, and if it was removed meanwhile its slot is free now.
         A reader that never releases (it died) is covered by the lease's end, as before."""
+        held = self.reserved.get(key)
+        if held is not None and held[0].offset == offset:
+            del self.reserved[key]      # a writer gives back a slot it will not fill
+            self.alloc.free(offset, held[0].size)
+            return
         obj = self.objects.get(key)
         if obj is None or obj.offset != offset:
             obj = self._held.get(offset)
@@ -133,10 +142,10 @@ class DramTier:
 
     # ------------------------------------------------------------ space
 
-    def _allocate(self, size: int, now: float) -> int:
+    def _allocate(self, size: int, now: float, evict: bool = True) -> int:
         self._release_quarantine(now)
         offset = self.alloc.allocate(size)
-        if offset < 0:
+        if offset < 0 and evict:
             victims = iter(list(self.objects.items()))
             while offset < 0:
                 if not self._evict_next(victims, now):

@@ -272,7 +272,7 @@ class StorageNode(Service):
             if size < 0 or size > self.config.max_value:
                 offsets.append(-1)
             else:
-                offsets.append(self.store.reserve(key, size, now, self.config.reserve_s))
+                offsets.append(self.store.reserve(key, size, now, self.config.reserve_s, msg.evict))
         return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):

@@ -136,10 +136,15 @@ class TieredStore:
             return obj.on_ssd or self.durability != "sync"
         return False if key in self.dram.reserved else None
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+    def reserve(self, key: str, size: int, now: float, hold_s: float, evict: bool = True) -> int:
         state = self.durable(key)
         if state is not None:   # a second writer of the same key is acknowledged only once it holds
             return -2 if state else -4
+        if not evict:   # free space only, now
+            quota = self.quotas.get(tenant_of(key))
+            if quota is not None and self.usage[tenant_of(key)] + size > quota:
+                return -1
+            return self.dram.reserve(key, size, now, hold_s, evict=False)
         if not self._within_quota(key, size, now):
             return -1
         offset = self.dram.reserve(key, size, now, hold_s)

@@ -240,11 +240,19 @@ class LeasedTransport(Transport):
         return out
 
     def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
-        ch = self.channel_for(node.address)
-        reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest([keys[i] for i in idx],
-                                                                  [sizes[i] for i in idx])), deadline)[0])
+        rid = self.reserve(node, [keys[i] for i in idx], [sizes[i] for i in idx])
+        reply = P.raise_if_error(self.channel_for(node.address).recv(rid, deadline)[0])
+        self.fill(node, idx, keys, ptrs, sizes, reply.offsets, reply.deadline, deadline, out)
+
+    def reserve(self, node, keys: list[str], sizes: list[int], evict: bool = True) -> int:
+        """Send ``ReserveRequest`` without waiting; the request id to receive the reply with."""
+        return self.channel_for(node.address).send(P.ReserveRequest(keys, sizes, evict))
+
+    def fill(self, node, idx, keys, ptrs, sizes, offsets, until: float, deadline: float, out) -> None:
+        """Objects ``idx`` were reserved at ``offsets`` (valid until ``until``): move their
+        bytes in, then commit; ``out[i]`` is True for each stored (or stored already)."""
         todo, offs = [], []
-        for i, off in zip(idx, reply.offsets):
+        for i, off in zip(idx, offsets):
             if off == P.RESERVE_STORED:
                 out[i] = True           # stored already
             elif off >= 0:
@@ -253,14 +261,21 @@ class LeasedTransport(Transport):
         if not todo:
             return
         sums = self.store(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
-                          min(deadline, reply.deadline))
-        if time.monotonic() > reply.deadline:
+                          min(deadline, until))
+        if time.monotonic() > until:
             log.warning("%s write outlived its reservation; not committing %d objects",
                         self.name, len(todo))
             return
+        ch = self.channel_for(node.address)
         commit = P.CommitRequest([keys[i] for i in todo], sums)
         for i, ok in zip(todo, P.raise_if_error(ch.recv(ch.send(commit), deadline)[0]).ok):
             out[i] = ok
+
+    def cancel(self, node, keys: list[str], offsets: list[int]) -> None:
+        """Give back reserved slots that will not be written (the reply is not awaited)."""
+        if keys:
+            ch = self.channel_for(node.address)
+            ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])
 
 
 class ChecksumCounter:

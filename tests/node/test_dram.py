@@ -117,3 +117,23 @@ def test_quarantine_entry_of_a_released_slot_is_skipped_later(tier):
     assert tier.stats()["quarantined"] == 1
     tier.maintain(2.4)
     assert tier.stats()["quarantined"] == 0 and tier._quarantined_bytes == 0
+
+
+def test_writer_gives_back_an_unfilled_reservation(tier):
+    off = tier.reserve("r", 4096, now=0.0, hold_s=10.0)
+    used = tier.alloc.used
+    tier.unlease("r", off + 256)                          # wrong offset: not this reservation
+    assert "r" in tier.reserved
+    tier.unlease("r", off)
+    assert "r" not in tier.reserved and tier.alloc.used < used
+    assert not tier.commit("r", 1)
+
+
+def test_reserving_without_eviction_uses_free_space_below_the_high_watermark(tier):
+    for i in range(3):
+        assert put(tier, f"k{i}", 256 << 10, now=float(i))
+    assert tier.reserve("x", 256 << 10, 5.0, 1.0, evict=False) == -1   # over 0.9 of 1 MiB
+    assert tier.reserve("y", 32 << 10, 5.0, 1.0, evict=False) >= 0
+    assert tier.evictions == 0 and all(f"k{i}" in tier.objects for i in range(3))
+    assert tier.reserve("x", 256 << 10, 5.0, 1.0) >= 0                 # the ordinary way evicts
+    assert tier.evictions == 1
