@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # or moved meanwhile: then the node answers "missing" and the read is a miss, as it would be.
 LOCATION_TTL_S = 1.0
 LOCATION_CACHE_MAX = 1 << 16
+# How long a put waits for an early Reserve's answer from a node the master did not choose.
+EARLY_GRACE_S = 0.25
 
 
 class Circuit:
@@ -327,13 +329,16 @@ class StoreClient:
         """Finish the objects placed on the early-reserved node; give back the other slots."""
         node, transport, rid = early
         mine = by_node.pop(node.node_id, [])
+        # Placed elsewhere: the answer is not needed to go on, so wait only briefly (the node
+        # may be dead); unanswered, its reservations lapse after reserve_s (free space only).
+        wait = deadline if mine else min(deadline, time.monotonic() + EARLY_GRACE_S)
         try:
-            reply = P.raise_if_error(self._channel(node.address).recv(rid, deadline)[0])
-        except HicacheError:
+            reply = P.raise_if_error(self._channel(node.address).recv(rid, wait)[0])
+        except HicacheError as exc:
             self._writer = None
             if mine:
-                raise
-            return
+                log.warning("put to %s failed: %s", node.node_id, exc)
+            return          # those keys stay False; the other nodes' writes go on
         self.counters["reserve_early"] += 1
         taken = set(mine)
         spare = [i for i, off in enumerate(reply.offsets) if off >= 0 and i not in taken]
