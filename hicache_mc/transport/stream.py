@@ -229,6 +229,7 @@ class StreamClient:
             except OSError as exc:
                 raise StoreUnavailable(f"stream port {address}: {exc}") from None
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             conns[address] = sock
             with self._lock:
                 self._all.add(sock)
