@@ -328,7 +328,12 @@ class StoreClient:
     def _put_early(self, early, by_node, keys, ptrs, sizes, deadline, result) -> None:
         """Finish the objects placed on the early-reserved node; give back the other slots."""
         node, transport, rid = early
-        mine = by_node.pop(node.node_id, [])
+        if self._nodes.get(node.node_id) is not node:
+            # the Place brought a new record for that node (it restarted: new segment, new
+            # stream port): give the early slots back, and write the ordinary way
+            mine = []
+        else:
+            mine = by_node.pop(node.node_id, [])
         # Placed elsewhere: the answer is not needed to go on, so wait only briefly (the node
         # may be dead); unanswered, its reservations lapse after reserve_s (free space only).
         wait = deadline if mine else min(deadline, time.monotonic() + EARLY_GRACE_S)

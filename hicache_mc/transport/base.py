@@ -260,8 +260,14 @@ class LeasedTransport(Transport):
                 offs.append(off)
         if not todo:
             return
-        sums = self.store(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
-                          min(deadline, until))
+        try:
+            sums = self.store(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
+                              min(deadline, until))
+        except Exception:
+            # give the slots back now: left reserved, the keys would answer "busy" to every
+            # writer until the reservation lapses (reserve_s)
+            self.cancel(node, [keys[i] for i in todo], offs)
+            raise
         if time.monotonic() > until:
             log.warning("%s write outlived its reservation; not committing %d objects",
                         self.name, len(todo))
