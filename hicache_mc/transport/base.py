@@ -57,7 +57,7 @@ memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
 
 ROUND_BYTES = 64 << 20      # one lease / reservation covers at most this much
 CHUNK = 256 << 10           # copy, then hash from cache, this much at a time
-PARALLEL_MIN = 1 << 20      # batches smaller than this are copied on the calling thread
+PARALLEL_MIN = 4 << 20       # batches smaller than this are copied on the calling thread
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))   # the calling thread + helpers
 
 _pool: Optional[ThreadPoolExecutor] = None
@@ -106,7 +106,10 @@ def _split(sizes: Sequence[int], parts: int) -> list[range]:
 def run_split(job: Callable[[int], object], sizes: Sequence[int]) -> list:
     """``[job(i) for i in range(len(sizes))]``, the indices shared by bytes between the calling
     thread and the copy pool when the batch is large enough to be worth it."""
-    pool = _helpers() if sum(sizes) >= PARALLEL_MIN and len(sizes) > 1 else None
+    total = sum(sizes)
+    # many small objects: per-object Python work would make the threads trade the GIL more
+    # than they copy (measured: 128 x 64 KiB ran faster on one thread, 8 x 1 MiB on two)
+    pool = _helpers() if total >= PARALLEL_MIN and total >= CHUNK * len(sizes) > CHUNK else None
     if pool is None:
         return [job(i) for i in range(len(sizes))]
     shares = _split(sizes, COPY_THREADS)
