@@ -7,10 +7,11 @@ only on SSD, and nodes that run no stream port, go through ``FramesTransport``.
 
 ``FramesTransport``: the bytes travel in ZeroMQ messages (``Read`` / ``Write``), the node
 reading SSD-only objects from disk itself. A batch is cut into groups of about
-``GROUP_BYTES``; every group is a request of its own and all of them are sent before the first reply is awaited, so the stages overlap: on a put the client
-hashes group k+1 while ZeroMQ sends group k and the node stores group k-1; on a get the client
-copies (and verifies) group k out of its frames while the node sends group k+1. Payload frames
-are sent without copies (from caller memory on a put, from leased DRAM on a get).
+``GROUP_BYTES``; every group is a request of its own and all of them are sent before the first
+reply is awaited, so the stages overlap: on a put the client hashes group k+1 while ZeroMQ
+sends group k and the node stores group k-1; on a get the client copies (and verifies) group k
+out of its frames while the node sends group k+1. Payload frames are sent without copies (from
+caller memory on a put, from leased DRAM on a get).
 """
 from __future__ import annotations
 
