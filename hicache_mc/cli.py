@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import signal
@@ -13,6 +14,7 @@ from .config import DEFAULT_MASTER, ClientConfig, MasterConfig, NodeConfig, load
 from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
+SHUTDOWN_GRACE_S = 6    # after SIGTERM/SIGINT: stacks to stderr and exit if still running
 
 
 def _master_config(args) -> MasterConfig:
@@ -59,6 +61,10 @@ def run_services(services) -> None:
         if not all(t.is_alive() for t in threads):
             log.error("a service loop ended unexpectedly")
             break
+    # Bounded shutdown: a process still running SHUTDOWN_GRACE_S from now (a stuck thread, a
+    # hang at interpreter exit) gets every thread's stack written to stderr and is ended by
+    # the faulthandler's own thread, which needs no GIL.
+    faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
     for s in reversed(services):
         s.stop()
     for t in threads:
