@@ -140,15 +140,10 @@ class TieredStore:
         state = self.durable(key)
         if state is not None:   # a second writer of the same key is acknowledged only once it holds
             return -2 if state else -4
-        if not evict:   # free space only, now
-            quota = self.quotas.get(tenant_of(key))
-            if quota is not None and self.usage[tenant_of(key)] + size > quota:
-                return -1
-            return self.dram.reserve(key, size, now, hold_s, evict=False)
-        if not self._within_quota(key, size, now):
+        if not self._within_quota(key, size, now, evict):
             return -1
-        offset = self.dram.reserve(key, size, now, hold_s)
-        if offset == -1:
+        offset = self.dram.reserve(key, size, now, hold_s, evict)
+        if offset == -1 and evict:
             offset = self._room_by_waiting(size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
         return offset
 
@@ -177,8 +172,9 @@ class TieredStore:
 
     # ------------------------------------------------------------ tenants
 
-    def _within_quota(self, key: str, size: int, now: float) -> bool:
-        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects."""
+    def _within_quota(self, key: str, size: int, now: float, evict: bool = True) -> bool:
+        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects
+        (``evict=False``: only say whether it fits now)."""
         tenant = tenant_of(key)
         quota = self.quotas.get(tenant)
         if quota is None:
@@ -186,7 +182,7 @@ class TieredStore:
         need = self.usage[tenant] + size - quota
         if need <= 0:
             return True
-        if size > quota:
+        if size > quota or not evict:
             return False
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
