@@ -62,12 +62,8 @@ class KeyIndex:
 
     def get_many(self, keys: list[str]) -> list[Optional[int]]:
         """The packed value of each key (None when absent), digested and looked up in C-level
-        loops; ``unpack`` splits a value."""
+        loops: ``checksum | size << 64 | node_slot << 104``."""
         return list(map(self._map.get, map(xxh3_128_digest, map(str.encode, keys))))
-
-    @staticmethod
-    def unpack(v: int) -> tuple[int, int, int]:
-        return v >> 104, (v >> 64) & SIZE_MASK, v & CHECKSUM_MASK
 
     def slot_of(self, key: str) -> Optional[int]:
         v = self._map.get(_d(key))

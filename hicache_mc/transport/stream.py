@@ -50,15 +50,6 @@ OK, REFUSED = b"\0", b"\1"
 
 # ------------------------------------------------------------------ shared helpers
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("connection closed by the peer")
-        got += k
-
-
 def _recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
                deadline: Optional[float] = None) -> Optional[int]:
     """Fill ``view`` from the socket (each chunk by ``deadline`` when given); with ``digest``,
@@ -78,7 +69,7 @@ def _recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
+    _recv_hash(sock, memoryview(buf), digest=False)
     return bytes(buf)
 
 
@@ -137,9 +128,8 @@ class StreamServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._stopping:
-                head = bytearray(4)
                 try:
-                    _recv_exact(conn, memoryview(head))
+                    head = _recv_bytes(conn, 4)
                 except ConnectionError:
                     return      # the client went away between requests
                 try:
