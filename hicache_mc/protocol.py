@@ -264,9 +264,10 @@ class LeaseReply(Message):
 
 @message
 class ReleaseRequest(Message):
-    # A reader is done with the slots it leased: [key, offset] as the LeaseReply gave them.
-    # Answered with OkReply (the reader need not wait for it). Once every reader of an object
-    # has released it, its slot may be reused at once instead of when the lease runs out.
+    # A reader is done with the slots it leased, or a writer gives back slots it reserved and
+    # will not fill: [key, offset] as the Lease/ReserveReply gave them. Answered with OkReply
+    # (the sender need not wait for it). Once every reader of an object has released it, its
+    # slot may be reused at once instead of when the lease runs out.
     keys: list[str]
     offsets: list[int]
 

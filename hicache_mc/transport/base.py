@@ -8,12 +8,13 @@ lives (get) or where it goes (put); a transport is called once per node per batc
   ``keys[i]``; True only when the stored size equals ``sizes[i]`` and the checksum matches.
 - ``write(node, keys, ptrs, sizes, deadline) -> list[bool]``: store and commit; True once the
   master has the key (a key already stored is True as well). The transport computes the
-  checksums, where it is cheapest: on the copy it makes (shm), or per group while the previous
-  group is on the wire (tcp).
+  checksums where it is cheapest: on the copy it makes (shm), as each chunk lands on the node
+  (tcp's stream port), or over the source (the TE, and tcp's frames path).
 
 Bytes are copied and hashed by ``copy_many`` / ``hash_many``: chunk by chunk, so the hash
-reads what the copy just wrote from cache, and split across a small thread pool for batches of
-a MiB or more (``memmove`` and xxh3 release the GIL).
+reads what the copy just wrote from cache, and split across a small thread pool for batches
+of big objects (4 MiB or more, 256 KiB or more per object on average; ``memmove`` and xxh3
+release the GIL).
 
 Transport failures (timeouts, error replies) raise; the client turns them into misses.
 """
