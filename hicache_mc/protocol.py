@@ -24,7 +24,8 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 3   # bump whenever a message's fields or meaning change (3: column-wise locations, Release, data_address)
+VERSION = 4   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
+              # data_address; 4: locations without checksums)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
@@ -116,14 +117,14 @@ class ExistsRequest(Message):
 class Locations:
     """Where keys live, column-wise (cheap to build, encode and decode for 128+ keys): key i
     is held by node ``held_by[holders[i]]`` (-1: the master does not have it), with
-    ``sizes[i]`` bytes and checksum ``checksums[i]``; ``nodes`` maps each holder's id to its
-    ``NodeInfo.to_dict()``. (The fields are declared by the messages that use this.)"""
+    ``sizes[i]`` bytes; ``nodes`` maps each holder's id to its ``NodeInfo.to_dict()``. (The
+    fields are declared by the messages that use this.) Checksums are not sent: a reader
+    checks its copy against the checksum the holding node gives with the bytes."""
 
     def located(self) -> list:
-        """Per key: (node_id, size, checksum), or None where the master does not have it."""
+        """Per key: (node_id, size), or None where the master does not have it."""
         names = self.held_by
-        return [None if h < 0 else (names[h], size, checksum)
-                for h, size, checksum in zip(self.holders, self.sizes, self.checksums)]
+        return [None if h < 0 else (names[h], size) for h, size in zip(self.holders, self.sizes)]
 
 
 @message
@@ -134,7 +135,6 @@ class ExistsReply(Message, Locations):
     held_by: list[str]
     holders: list[int]
     sizes: list[int]
-    checksums: list[int]
     nodes: dict[str, dict]
 
 
@@ -159,7 +159,6 @@ class LocateReply(Message, Locations):
     held_by: list[str]
     holders: list[int]
     sizes: list[int]
-    checksums: list[int]
     nodes: dict[str, dict]
 
 

@@ -7,7 +7,6 @@ the nodes and loses nothing that a live node still holds.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import uuid
 
@@ -15,7 +14,7 @@ from .. import protocol as P
 from ..config import MasterConfig
 from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
-from .index import CHECKSUM_MASK, SIZE_MASK, KeyIndex, NodeSlots
+from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ class MasterService(Service):
         return P.ExistsReply(found, *where), None
 
     def _locate(self, keys: list[str], stop_at_miss: bool):
-        """(how many keys were found, [held_by, holders, sizes, checksums, nodes] as in
+        """(how many keys were found, [held_by, holders, sizes, nodes] as in
         ``P.Locations``). With ``stop_at_miss`` only the leading run is located. The hot path
         of every probe: column-wise, in comprehensions rather than calls per key."""
         live = self.registry.live_slots()
@@ -83,10 +82,12 @@ class MasterService(Service):
         else:
             pos = {s: i for i, s in enumerate(held)}
             holders = [pos[s] if ok else -1 for s, ok in zip(slots, on_live)]
-        sizes = [0 if v is None else (v >> 64) & SIZE_MASK for v in values]
-        checksums = [0 if v is None else v & CHECKSUM_MASK for v in values]
+        if found == len(values):
+            sizes = [(v >> 64) & SIZE_MASK for v in values]
+        else:
+            sizes = [0 if v is None else (v >> 64) & SIZE_MASK for v in values]
         nodes = {n: self.registry.nodes[n].record for n in held_by}
-        return found, [held_by, holders, sizes, checksums, nodes]
+        return found, [held_by, holders, sizes, nodes]
 
     def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
         self.counters["exists_calls"] += 1
@@ -106,7 +107,9 @@ class MasterService(Service):
         if not keys:
             return
         first = keys[0].partition("/")
-        if first[1] and all(map(operator.methodcaller("startswith", first[0] + "/"), keys)):
+        prefix = first[0] + "/"
+        # every key between the least and the greatest shares a prefix both have
+        if first[1] and min(keys).startswith(prefix) and max(keys).startswith(prefix):
             found = sum(hits)   # the usual batch: one namespace
             self._count_namespace(first[0], found, len(keys) - found)
             return
@@ -129,7 +132,7 @@ class MasterService(Service):
             return P.ErrorReply("bad_request", "Place: sizes must be >= 0"), None
         self.counters["place_calls"] += 1
         live = self.registry.live_slots()
-        todo = [i for i, k in enumerate(msg.keys) if self.index.slot_of(k) not in live]
+        todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
         chosen = self.registry.place([msg.sizes[i] for i in todo], msg.host)
         targets: list = [None] * len(msg.keys)
         for i, node_id in zip(todo, chosen):
@@ -197,8 +200,7 @@ class MasterService(Service):
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered"), None
         if not len(msg.keys) == len(msg.sizes) == len(msg.checksums):
             return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length"), None
-        for key, size, checksum in zip(msg.keys, msg.sizes, msg.checksums):
-            self.index.add(key, st.slot, size, checksum)
+        self.index.add_many(msg.keys, st.slot, msg.sizes, msg.checksums)
         st.last_seen = time.monotonic()
         self.counters["committed"] += len(msg.keys)
         return P.OkReply(), None

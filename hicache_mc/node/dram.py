@@ -82,6 +82,28 @@ class DramTier:
             self.reserved[key] = (Obj(offset, size, 0), now + hold_s)
         return offset
 
+    def reserve_fresh(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
+                      evict: bool = True) -> Optional[list[int]]:
+        """Slots for a batch of keys that are neither stored nor reserved (and distinct), cut
+        from one free range: one allocator call, and the objects lie in a row. None when no
+        free range is big enough (evicting for one range could drop far more than needed:
+        then reserve key by key)."""
+        align = self.alloc.align
+        need = [max(align, -(-s // align) * align) for s in sizes]
+        total = sum(need)
+        if not evict and self.alloc.used + total > self.high:
+            return None
+        self._release_quarantine(now)
+        offset = self.alloc.allocate(total)
+        if offset < 0:
+            return None
+        out, until, reserved = [], now + hold_s, self.reserved
+        for key, size, n in zip(keys, sizes, need):
+            reserved[key] = (Obj(offset, size, 0), until)
+            out.append(offset)
+            offset += n
+        return out
+
     def commit(self, key: str, checksum: int) -> bool:
         """Make a reserved slot a readable object."""
         entry = self.reserved.pop(key, None)

@@ -267,22 +267,18 @@ class StorageNode(Service):
             return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length"), None
         now = time.monotonic()
         self.store.next_request()
-        offsets = []
-        for key, size in zip(msg.keys, msg.sizes):
-            if size < 0 or size > self.config.max_value:
-                offsets.append(-1)
-            else:
-                offsets.append(self.store.reserve(key, size, now, self.config.reserve_s, msg.evict))
+        offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
+                                          msg.evict, self.config.max_value)
         return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.checksums):
             return P.ErrorReply("bad_request", "Commit: keys and checksums differ in length"), None
         pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
-        for i, (key, checksum) in enumerate(zip(msg.keys, msg.checksums)):
-            if self.store.commit(key, checksum):
-                pw.add(i, key, *self.store.meta(key))
-                self.counters["bytes_in"] += pw.sizes[-1]
+        for i, (key, obj) in enumerate(zip(msg.keys, self.store.commit_many(msg.keys, msg.checksums))):
+            if obj is not None:
+                pw.add(i, key, obj.size, obj.checksum)
+        self.counters["bytes_in"] += sum(pw.sizes)
         return self._acknowledge(pw)
 
     def _acknowledge(self, pw: "PendingWrite"):

@@ -147,12 +147,66 @@ class TieredStore:
             offset = self._room_by_waiting(size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
         return offset
 
+    def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
+                     evict: bool = True, max_size: int = -1) -> list[int]:
+        """``reserve`` for a batch (RESERVE_FULL for sizes out of 0..``max_size``). Keys not
+        stored, not being stored and under no quota take one free range together
+        (``DramTier.reserve_fresh``); the rest, or all when no range is big enough, go
+        key by key."""
+        out = [-1] * len(keys)
+        fresh, seen = [], set()
+        objects, reserved = self.dram.objects, self.dram.reserved
+        on_ssd = self.ssd.index if self.ssd is not None else {}
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            if size < 0 or (max_size >= 0 and size > max_size):
+                continue
+            if key in seen or key in objects or key in reserved or key in on_ssd or \
+                    (self.quotas and tenant_of(key) in self.quotas):
+                out[i] = None       # the careful way, below
+            else:
+                fresh.append(i)
+            seen.add(key)
+        if fresh:
+            got = self.dram.reserve_fresh([keys[i] for i in fresh], [sizes[i] for i in fresh],
+                                          now, hold_s, evict)
+            if got is None:
+                for i in fresh:
+                    out[i] = None
+            else:
+                for i, off in zip(fresh, got):
+                    out[i] = off
+        for i, off in enumerate(out):
+            if off is None:
+                out[i] = self.reserve(keys[i], sizes[i], now, hold_s, evict)
+        return out
+
     def commit(self, key: str, checksum: int) -> bool:
         """Make a reserved slot a readable object (the shm/TE write path)."""
         if not self.dram.commit(key, checksum):
             return False
         self.usage[tenant_of(key)] += self.dram.objects[key].size
         return True
+
+    def commit_many(self, keys: list[str], checksums: list[int]) -> list[Optional[Obj]]:
+        """``commit`` for a batch: the committed object per key (None: nothing reserved)."""
+        out = []
+        usage, tenants = self.usage, {}
+        reserved, objects = self.dram.reserved, self.dram.objects
+        for key, checksum in zip(keys, checksums):
+            entry = reserved.pop(key, None)
+            if entry is None:
+                out.append(None)
+                continue
+            obj = entry[0]
+            obj.checksum = checksum
+            objects[key] = obj
+            out.append(obj)
+            ns = key.partition("/")[0]
+            tenant = tenants.get(ns)
+            if tenant is None:
+                tenant = tenants[ns] = tenant_of(ns)
+            usage[tenant] += obj.size
+        return out
 
     def write(self, key: str, data, checksum: int, now: float) -> bool:
         state = self.durable(key)

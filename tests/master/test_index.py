@@ -40,3 +40,21 @@ def test_expiry():
     assert reg.expire(st.last_seen + 2.0) == []
     assert [s.info.node_id for s in reg.expire(st.last_seen + 3.5)] == ["n1"]
     assert reg.place([1], "h1") == [None]
+
+
+def test_add_many_packs_like_add():
+    one, many = KeyIndex(), KeyIndex()
+    keys = [f"ns/{i}" for i in range(5)]
+    for i, k in enumerate(keys):
+        one.add(k, 3, 100 + i, (1 << 64) - 1 - i)
+    many.add_many(keys, 3, [100 + i for i in range(5)], [(1 << 64) - 1 - i for i in range(5)])
+    assert one.get_many(keys) == many.get_many(keys) and many.get("ns/4") == (3, 104, (1 << 64) - 5)
+
+
+def test_placement_of_a_batch_that_fits_one_local_node_goes_there_whole():
+    reg = NodeRegistry(1.0, 3)
+    reg.upsert(info(1, "h1", cap=1000), 0)
+    reg.upsert(info(2, "h2", cap=5000), 1)
+    assert reg.place([300, 300, 300], "h1") == ["n1"] * 3
+    # n1 has 100 left: the next batch does not fit it and spills to the most free node
+    assert reg.place([300, 100], "h1") == ["n2", "n1"]

@@ -137,3 +137,24 @@ def test_reserving_without_eviction_uses_free_space_below_the_high_watermark(tie
     assert tier.evictions == 0 and all(f"k{i}" in tier.objects for i in range(3))
     assert tier.reserve("x", 256 << 10, 5.0, 1.0) >= 0                 # the ordinary way evicts
     assert tier.evictions == 1
+
+
+def test_reserve_fresh_cuts_one_range_and_frees_slot_by_slot(tier):
+    offs = tier.reserve_fresh(["a", "b", "c"], [1000, 256, 1], now=0.0, hold_s=1.0)
+    assert offs == [offs[0], offs[0] + 1024, offs[0] + 1280]          # in a row, 256-aligned
+    assert tier.alloc.used == 1536 and set(tier.reserved) == {"a", "b", "c"}
+    assert tier.commit("b", 5)
+    tier.unlease("a", offs[0])                  # a writer gives a slot back
+    tier.remove(["b"], 0.0)
+    tier.unlease("c", offs[2])
+    assert tier.alloc.used == 0 and tier.alloc.largest_free() == tier.capacity
+
+
+def test_reserve_fresh_declines_rather_than_evict(tier):
+    for i in range(3):
+        assert put(tier, f"k{i}", 256 << 10, now=float(i))
+    # 512 KiB would need an eviction: declined, the key-by-key path decides
+    assert tier.reserve_fresh(["x", "y"], [256 << 10] * 2, now=5.0, hold_s=1.0) is None
+    assert tier.evictions == 0 and not tier.reserved
+    # over the high watermark without eviction: declined as well
+    assert tier.reserve_fresh(["x"], [200 << 10], now=5.0, hold_s=1.0, evict=False) is None

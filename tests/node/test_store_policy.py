@@ -68,3 +68,28 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
         assert st.write("k", memoryview(data), checksum(data), 0.0) is True
     finally:
         st.close()
+
+
+def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
+    """Stored, being stored, repeated within the batch, out of range, under a quota: each gets
+    what ``reserve`` would give it; the fresh rest share one range."""
+    dram = DramTier(str(tmp_path / "seg3"), 8 * MiB, "abcd9999", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    st = TieredStore(dram, None, "none", 1.0)
+    try:
+        assert st.write("stored", memoryview(b"s" * 100), 1, 0.0)
+        assert st.reserve("busy", 100, 0.0, 5.0) >= 0
+        st.quotas = {"t": 150}
+        st.usage["t"] = 100
+        keys = ["n/1", "stored", "busy", "n/2", "n/1", "huge", "neg", "ns@t/q", "ns@u/r"]
+        sizes = [100, 100, 100, 200, 100, 10 * MiB, -1, 100, 100]
+        offs = st.reserve_many(keys, sizes, 0.0, 5.0, max_size=MiB)
+        assert offs[1:3] == [-2, -4] and offs[4] == -4          # stored, busy, repeated
+        assert offs[5] == -1 and offs[6] == -1                  # too large, negative
+        assert offs[3] == offs[0] + 256 and offs[8] == offs[3] + 256   # fresh: one range
+        assert offs[7] == -1                                    # over tenant t's quota
+        got = st.commit_many(["n/1", "n/2", "nothing"], [7, 8, 9])
+        assert [o.size if o else None for o in got] == [100, 200, None]
+        assert st.usage[""] == 400 and st.meta("n/2") == (200, 8)
+    finally:
+        st.close()
