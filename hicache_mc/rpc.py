@@ -211,8 +211,10 @@ class Channel:
         self._waiting.add(req_id)
         return req_id
 
-    def recv(self, req_id: int, deadline: float) -> tuple[P.Message, list]:
-        """The reply to ``req_id``, or StoreUnavailable at ``deadline`` (monotonic seconds)."""
+    def recv(self, req_id: int, deadline: float, reset: bool = True) -> tuple[P.Message, list]:
+        """The reply to ``req_id``, or StoreUnavailable at ``deadline`` (monotonic seconds).
+        A timeout resets the channel, unless ``reset`` is False: then the request is still
+        awaited and a later ``recv`` may get its reply (``deadline=0``: only if it is here)."""
         early = self._early.pop(req_id, None)
         if early is not None:
             self._waiting.discard(req_id)
@@ -222,21 +224,37 @@ class Channel:
         sock = self._connect()
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self.reset()
+            if not sock.poll(int(left * 1000) + 1 if left > 0 else 0, zmq.POLLIN):
+                if reset:
+                    self.reset()
                 raise StoreUnavailable(f"no reply from {self.address} in time")
-            frames = sock.recv_multipart(copy=False)
-            try:
-                msg, rid, _, payload = P.decode(frames)
-            except ProtocolError as exc:
-                log.warning("bad reply from %s: %s", self.address, exc)
-                continue
-            if rid == req_id:
-                self._waiting.discard(rid)
-                return msg, payload
-            if rid in self._waiting:
-                self._early[rid] = (msg, payload)
-            # else: a late reply to a request that already timed out: drop it
+            got = self._take(sock, req_id)
+            if got is not None:
+                self._waiting.discard(req_id)
+                return got
+
+    def ready(self, req_id: int) -> bool:
+        """Whether the reply to ``req_id`` is here, so ``recv`` would not wait (never waits)."""
+        while req_id not in self._early and self.sock is not None and self.sock.poll(0, zmq.POLLIN):
+            got = self._take(self.sock, req_id)
+            if got is not None:
+                self._early[req_id] = got
+        return req_id in self._early
+
+    def _take(self, sock: zmq.Socket, req_id: int) -> Optional[tuple]:
+        """Receive one reply: (message, payload) when it answers ``req_id``; another awaited
+        one is kept for its own ``recv``; a late reply to a forgotten request is dropped."""
+        frames = sock.recv_multipart(copy=False)
+        try:
+            msg, rid, _, payload = P.decode(frames)
+        except ProtocolError as exc:
+            log.warning("bad reply from %s: %s", self.address, exc)
+            return None
+        if rid == req_id:
+            return msg, payload
+        if rid in self._waiting:
+            self._early[rid] = (msg, payload)
+        return None
 
     def forget(self, req_ids) -> None:
         """Stop waiting for these requests (their replies are dropped when they come)."""

@@ -20,7 +20,7 @@ import zmq
 
 from .. import protocol as P
 from ..config import ClientConfig, load_config
-from ..errors import HicacheError
+from ..errors import HicacheError, RemoteError, StoreUnavailable
 from ..rpc import Channel
 from ..transport.base import ROUND_BYTES, ChecksumCounter, LeasedTransport, Transport
 from ..transport.mooncake import MooncakeTransport
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # or moved meanwhile: then the node answers "missing" and the read is a miss, as it would be.
 LOCATION_TTL_S = 1.0
 LOCATION_CACHE_MAX = 1 << 16
-# How long a put waits for an early Reserve's answer from a node the master did not choose.
+# How long a put waits for an early Reserve's answer before it hears from the master.
 EARLY_GRACE_S = 0.25
+SPECULATE_RUN = 1 << 20     # copies made before the Place is answered go in runs of this much
 
 
 class Circuit:
@@ -65,6 +66,30 @@ class Circuit:
                     log.warning("%d failures in a row: answering misses for %.1fs", self.limit, self.open_s)
                     self.opens += 1
                 self.open_until = time.monotonic() + self.open_s
+
+
+class EarlyPut:
+    """A Reserve sent to the writer's node before the master placed the keys (see _put)."""
+
+    def __init__(self, node: P.NodeInfo, transport: LeasedTransport, ch: Channel, rid: int):
+        self.node, self.transport, self.ch, self.rid = node, transport, ch, rid
+        self.reply: Optional[P.ReserveReply] = None
+        self.copied: dict[int, int] = {}        # key index -> checksum of its copy in the slot
+        self.lost: set[int] = set()             # key indices whose slots were given back
+
+    def failed(self, exc: Optional[Exception]) -> None:
+        self.ch.forget([self.rid])
+        self.rid = None
+        if exc is not None:
+            log.warning("put to %s failed: %s", self.node.node_id, exc)
+
+    def abandon(self, keys: list[str]) -> None:
+        """The put failed before the master answered: give every slot back."""
+        if self.reply is None:
+            self.ch.forget([self.rid])
+            return
+        held = [i for i, off in enumerate(self.reply.offsets) if off >= 0 and i not in self.lost]
+        self.transport.cancel(self.node, [keys[i] for i in held], [self.reply.offsets[i] for i in held])
 
 
 class StoreClient:
@@ -278,10 +303,13 @@ class StoreClient:
         place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
         early = self._reserve_early(keys, sizes)   # overlaps the Place round trip
         try:
+            if early is not None:
+                self._copy_early(early, mch, place_rid, keys, ptrs, sizes, deadline)
             placed = P.raise_if_error(mch.recv(place_rid, deadline)[0])
         except Exception:
+            mch.forget([place_rid])
             if early is not None:
-                self._channel(early[0].address).forget([early[2]])
+                early.abandon(keys)
             raise
         self._learn(placed.nodes)
         result = [t is None for t in placed.targets]      # None: already stored
@@ -304,8 +332,10 @@ class StoreClient:
 
     # A put asks the master where each object goes (Place) and then reserves room on that node.
     # Placement puts a writer's objects on its own host first, so after one put the node is
-    # known: later puts send the Reserve to it alongside the Place, saving a round trip. The
-    # master still decides: keys it deduplicates or places elsewhere give their slots back.
+    # known: later puts send the Reserve to it alongside the Place, and start copying into the
+    # slots it gives while the Place is still on its way (bounded: the copy stops as soon as
+    # the Place is answered). The master still decides: only keys it placed on that node are
+    # committed; the slots of keys it deduplicated or placed elsewhere are given back.
 
     def _remember_writer(self, by_node: dict[str, list[int]]) -> None:
         if len(by_node) == 1:
@@ -314,48 +344,94 @@ class StoreClient:
         elif by_node:
             self._writer = None
 
-    def _reserve_early(self, keys, sizes) -> Optional[tuple]:
-        """(node, transport, request id) of a Reserve sent to the node the last put went to,
-        or None when there is no such node or the batch needs more than one round."""
+    def _reserve_early(self, keys, sizes) -> Optional["EarlyPut"]:
+        """A Reserve sent to the node the last put went to, or None when there is no such
+        node or the batch needs more than one round."""
         node = self._nodes.get(self._writer) if self._writer else None
         if node is None or sum(sizes) > ROUND_BYTES:
             return None
         transport = self.transport_for(node)
         if not isinstance(transport, LeasedTransport) or (transport is self.tcp and not node.data_address):
             return None
-        return node, transport, transport.reserve(node, keys, sizes, evict=False)
+        rid = transport.reserve(node, keys, sizes, evict=False)
+        return EarlyPut(node, transport, self._channel(node.address), rid)
 
-    def _put_early(self, early, by_node, keys, ptrs, sizes, deadline, result) -> None:
+    def _copy_early(self, early: "EarlyPut", mch: Channel, place_rid: int, keys, ptrs, sizes,
+                    deadline: float) -> None:
+        """While the Place is unanswered: take the early Reserve's reply (waiting at most
+        EARLY_GRACE_S: the node may be dead) and copy into its slots, a run at a time."""
+        try:
+            early.reply = P.raise_if_error(early.ch.recv(early.rid, min(deadline, time.monotonic() + EARLY_GRACE_S),
+                                                         reset=False)[0])
+        except StoreUnavailable:
+            return                  # not answered yet: decided once the Place is back
+        except RemoteError as exc:
+            early.failed(exc)
+            return
+        offsets, run, run_bytes = early.reply.offsets, [], 0
+        todo = [i for i, off in enumerate(offsets) if off >= 0]
+        for n, i in enumerate(todo):
+            run.append(i)
+            run_bytes += sizes[i]
+            if run_bytes < SPECULATE_RUN and n + 1 < len(todo):
+                continue
+            if mch.ready(place_rid):
+                return
+            try:
+                sums = early.transport.store_slots(early.node, run, keys, ptrs, sizes,
+                                                   [offsets[j] for j in run],
+                                                   min(deadline, early.reply.deadline))
+            except Exception as exc:    # e.g. the node restarted and its segment is gone
+                log.debug("copy ahead of the Place failed: %s", exc)
+                early.lost.update(run)  # those slots were given back: written the ordinary way
+                return
+            early.copied.update(zip(run, sums))
+            run, run_bytes = [], 0
+
+    def _put_early(self, early: "EarlyPut", by_node, keys, ptrs, sizes, deadline, result) -> None:
         """Finish the objects placed on the early-reserved node; give back the other slots."""
-        node, transport, rid = early
+        node, transport = early.node, early.transport
         if self._nodes.get(node.node_id) is not node:
             # the Place brought a new record for that node (it restarted: new segment, new
             # stream port): give the early slots back, and write the ordinary way
             mine = []
         else:
             mine = by_node.pop(node.node_id, [])
-        # Placed elsewhere: the answer is not needed to go on, so wait only briefly (the node
-        # may be dead); unanswered, its reservations lapse after reserve_s (free space only).
-        wait = deadline if mine else min(deadline, time.monotonic() + EARLY_GRACE_S)
-        try:
-            reply = P.raise_if_error(self._channel(node.address).recv(rid, wait)[0])
-        except HicacheError as exc:
+        reply = early.reply
+        if reply is None and early.rid is not None:
+            # Placed elsewhere: the answer is not needed to go on (the node was given
+            # EARLY_GRACE_S already); unanswered, its reservations lapse after reserve_s.
+            try:
+                reply = P.raise_if_error(early.ch.recv(early.rid, deadline if mine else 0)[0])
+            except HicacheError as exc:
+                early.failed(exc if mine else None)
+        if reply is None:
             self._writer = None
-            if mine:
-                log.warning("put to %s failed: %s", node.node_id, exc)
             return          # those keys stay False; the other nodes' writes go on
         self.counters["reserve_early"] += 1
-        taken = set(mine)
-        spare = [i for i, off in enumerate(reply.offsets) if off >= 0 and i not in taken]
-        transport.cancel(node, [keys[i] for i in spare], [reply.offsets[i] for i in spare])
-        short = [i for i in mine if reply.offsets[i] == P.RESERVE_FULL]
-        if short:       # no free room there now: the ordinary path may evict to make some
-            by_node[node.node_id] = short
-            mine = [i for i in mine if reply.offsets[i] != P.RESERVE_FULL]
-        if mine:
-            transport.fill(node, mine, keys, ptrs, sizes, [reply.offsets[i] for i in mine],
-                           reply.deadline, deadline, result)
-            self.counters["bytes_written"] += sum(sizes[i] for i in mine if result[i])
+        offsets, taken, lost = reply.offsets, set(mine), early.lost
+        spare = [i for i, off in enumerate(offsets) if off >= 0 and i not in taken and i not in lost]
+        transport.cancel(node, [keys[i] for i in spare], [offsets[i] for i in spare])
+        # no free room there now (the ordinary path may evict to make some), or slots lost
+        redo = [i for i in mine if offsets[i] == P.RESERVE_FULL or i in lost]
+        if redo:
+            by_node[node.node_id] = redo
+        for i in mine:
+            if offsets[i] == P.RESERVE_STORED:
+                result[i] = True
+        copied = [i for i in mine if i in early.copied]
+        rest = [i for i in mine if offsets[i] >= 0 and i not in early.copied and i not in lost]
+        sums = [early.copied[i] for i in copied]
+        try:
+            if rest:
+                sums += transport.store_slots(node, rest, keys, ptrs, sizes, [offsets[i] for i in rest],
+                                              min(deadline, reply.deadline))
+        except Exception:
+            transport.cancel(node, [keys[i] for i in copied], [offsets[i] for i in copied])
+            raise
+        if copied or rest:
+            transport.commit(node, copied + rest, keys, sums, reply.deadline, deadline, result)
+            self.counters["bytes_written"] += sum(sizes[i] for i in copied + rest if result[i])
 
     # -------------------------------------------------------------- single-key API
 

@@ -262,23 +262,30 @@ class LeasedTransport(Transport):
             elif off >= 0:
                 todo.append(i)
                 offs.append(off)
-        if not todo:
-            return
+        if todo:
+            sums = self.store_slots(node, todo, keys, ptrs, sizes, offs, min(deadline, until))
+            self.commit(node, todo, keys, sums, until, deadline, out)
+
+    def store_slots(self, node, idx, keys, ptrs, sizes, offsets, until: float) -> list[int]:
+        """``store`` objects ``idx`` into their reserved ``offsets``; on a failure the slots
+        are given back (left reserved, the keys would answer "busy" to every writer until the
+        reservation lapses) and the error raised."""
         try:
-            sums = self.store(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
-                              min(deadline, until))
+            return self.store(node, offsets, [ptrs[i] for i in idx], [sizes[i] for i in idx], until)
         except Exception:
-            # give the slots back now: left reserved, the keys would answer "busy" to every
-            # writer until the reservation lapses (reserve_s)
-            self.cancel(node, [keys[i] for i in todo], offs)
+            self.cancel(node, [keys[i] for i in idx], offsets)
             raise
+
+    def commit(self, node, idx, keys, sums, until: float, deadline: float, out) -> None:
+        """Commit objects ``idx``, stored with checksums ``sums`` under a reservation valid
+        until ``until``; ``out[i]`` is True for each the node (and so the master) now has."""
         if time.monotonic() > until:
             log.warning("%s write outlived its reservation; not committing %d objects",
-                        self.name, len(todo))
+                        self.name, len(idx))
             return
         ch = self.channel_for(node.address)
-        commit = P.CommitRequest([keys[i] for i in todo], sums)
-        for i, ok in zip(todo, P.raise_if_error(ch.recv(ch.send(commit), deadline)[0]).ok):
+        reply = ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums)), deadline)[0]
+        for i, ok in zip(idx, P.raise_if_error(reply).ok):
             out[i] = ok
 
     def cancel(self, node, keys: list[str], offsets: list[int]) -> None:

@@ -56,3 +56,26 @@ def test_channel_keeps_several_requests_in_flight(store):
     finally:
         ch.close()
         ctx.term()
+
+
+def test_channel_ready_never_waits_and_keeps_the_reply(store):
+    ctx = zmq.Context()
+    ch = Channel(ctx, store.master)
+    try:
+        rid = ch.send(P.StatsRequest())
+        other = ch.send(P.ExistsRequest(["a"]))
+        end = time.monotonic() + 5
+        while not ch.ready(rid):
+            assert time.monotonic() < end
+        assert isinstance(ch.recv(rid, 0)[0], P.StatsReply)       # here already: no wait
+        # a timed-out recv that does not reset keeps the request awaited
+        late = ch.send(P.StatsRequest())
+        try:
+            ch.recv(late, 0, reset=False)
+        except StoreUnavailable:
+            pass
+        assert isinstance(ch.recv(late, time.monotonic() + 5)[0], P.StatsReply)
+        assert isinstance(ch.recv(other, time.monotonic() + 5)[0], P.ExistsReply)
+    finally:
+        ch.close()
+        ctx.term()
