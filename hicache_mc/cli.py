@@ -5,6 +5,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -15,6 +16,7 @@ from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
 SHUTDOWN_GRACE_S = 6    # after SIGTERM/SIGINT: stacks to stderr and exit if still running
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _master_config(args) -> MasterConfig:
@@ -45,10 +47,13 @@ def node_options(sp) -> None:
                     help="the node's stream port for the tcp transport (default 0: any free port)")
 
 
-def run_services(services) -> None:
-    """Run each service loop in a thread until Ctrl-C / SIGTERM, then stop them all."""
+def run_services(services, children=()) -> bool:
+    """Run each service loop in a thread until Ctrl-C / SIGTERM, then stop them all. With
+    ``children`` (processes running other services), also stop when one of them ends, and
+    end them on the way out. False when a loop or a child ended by itself."""
     threads = [threading.Thread(target=s.serve_forever, name=s.name, daemon=True) for s in services]
     stop = threading.Event()
+    clean = True
 
     def on_signal(signum, _frame):
         log.info("signal %d: shutting down", signum)
@@ -60,43 +65,83 @@ def run_services(services) -> None:
     while not stop.wait(0.2):
         if not all(t.is_alive() for t in threads):
             log.error("a service loop ended unexpectedly")
+            clean = False
+            break
+        if not all(c.is_alive() for c in children):
+            log.error("the %s process ended (exit code %s)",
+                      *next((c.name, c.exitcode) for c in children if not c.is_alive()))
+            clean = False
             break
     # Bounded shutdown: a process still running SHUTDOWN_GRACE_S from now (a stuck thread, a
     # hang at interpreter exit) gets every thread's stack written to stderr and is ended by
     # the faulthandler's own thread, which needs no GIL.
     faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
+    for c in children:
+        if c.is_alive():
+            c.terminate()
     for s in reversed(services):
         s.stop()
     for t in threads:
         t.join(timeout=5)
+    for c in children:
+        c.join(timeout=SHUTDOWN_GRACE_S - 1)
     log.info("stopped")
+    return clean
 
 
 def cmd_serve(args) -> int:
+    """Master and node on this host from one command. The node runs in a child process of
+    its own: the two then never wait for each other's interpreter lock, and a put's Place
+    (master) and Reserve (node) are served side by side."""
+    import multiprocessing
     from .master.service import MasterService
-    from .node.service import StorageNode
     mcfg = _master_config(args)
+    ncfg = _node_config(args, master=f"tcp://127.0.0.1:{mcfg.port}"
+                        if mcfg.host in ("0.0.0.0", "127.0.0.1") else f"tcp://{mcfg.host}:{mcfg.port}")
     master = MasterService(mcfg)
-    node = StorageNode(_node_config(args, master=f"tcp://127.0.0.1:{mcfg.port}"
-                                    if mcfg.host in ("0.0.0.0", "127.0.0.1") else f"tcp://{mcfg.host}:{mcfg.port}"))
-    log.info("hicache-mc serving: master %s, node %s (%d MiB DRAM, segment %s)",
-             master.address, node.address, node.config.dram >> 20, node.info.shm_path)
-    run_services([master, node])
-    return 0
+    node = multiprocessing.get_context("spawn").Process(
+        target=serve_node, args=(ncfg, logging.getLogger().level, os.getpid()), name="node")
+    node.start()
+    log.info("hicache-mc serving: master %s, node process %d (%d MiB DRAM)",
+             master.address, node.pid, ncfg.dram >> 20)
+    return 0 if run_services([master], [node]) else 1
+
+
+def serve_node(config: NodeConfig, level: int, parent: int) -> None:
+    """The node of ``serve``, in its child process; it ends when the parent does."""
+    _die_with_parent(parent)
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    from .node.service import StorageNode
+    try:
+        node = StorageNode(config)
+    except (HicacheError, OSError) as exc:
+        log.error("the node could not start: %s", exc)
+        sys.exit(1)
+    log.info("node %s on %s, segment %s", node.node_id, node.address, node.info.shm_path)
+    sys.exit(0 if run_services([node]) else 1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:      # it died before the line above took effect
+        sys.exit(1)
 
 
 def cmd_master(args) -> int:
     from .master.service import MasterService
-    run_services([MasterService(_master_config(args))])
-    return 0
+    return 0 if run_services([MasterService(_master_config(args))]) else 1
 
 
 def cmd_node(args) -> int:
     from .node.service import StorageNode
     node = StorageNode(_node_config(args))
     log.info("node %s on %s, master %s", node.node_id, node.address, node.config.master)
-    run_services([node])
-    return 0
+    return 0 if run_services([node]) else 1
 
 
 def _admin(args, msg):
@@ -198,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         if master:
             sp.add_argument("--master", default=DEFAULT_MASTER, help="master address")
 
-    s = sub.add_parser("serve", help="master + one node in one process (the embedded default)")
+    s = sub.add_parser("serve", help="master + one node on this host, from one command")
     common(s)
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="master port (default 7370)")
@@ -252,8 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -87,3 +87,36 @@ def test_client_never_hangs_when_store_is_down(cluster):
         assert time.monotonic() - t1 < 0.1
         assert t1 - t0 < 5
         assert c.stats()["client"]["circuit_opens"] == 1
+
+
+def test_serve_runs_its_node_in_a_child_that_ends_with_it(cluster):
+    """``serve``: the node has a process of its own, and it goes when ``serve`` is killed
+    (even by SIGKILL), taking its segment with it."""
+    import os
+
+    cluster.start_serve()
+    node = cluster.wait_nodes(1)["nodes"][0]
+    child = int(os.path.basename(node["shm_path"]).split("-")[2])
+    assert child != cluster.serve_proc.p.pid and os.path.exists(node["shm_path"])
+    with StoreClient(cluster.master) as c:
+        assert c.put("serve/a", blob("serve/a")) and c.get("serve/a") == blob("serve/a")
+    cluster.serve_proc.kill()          # SIGKILL: no chance to stop the child itself
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the node outlived serve")
+    assert not os.path.exists(node["shm_path"])
+
+
+def test_serve_whose_node_cannot_start_exits_with_the_reason(cluster, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    proc = cluster._proc("serve", ["serve", "--port", str(cluster.port), "--dram", "64MiB",
+                                   "--ssd", "64MiB", "--ssd-dir", str(not_a_dir)]).start()
+    assert proc.p.wait(30) == 1
+    assert "the node could not start" in proc.log()
