@@ -10,7 +10,8 @@ and ``mooncake`` (the TE one-sided path, forced, although the node is on this ho
 
 For each object size and batch: ``batch_put_from`` of fresh keys, then ``batch_get_into`` of
 them into other buffers (checked), then the keys are removed; the systems take turns inside each
-iteration so drift hits them alike; one warm-up iteration is not counted. Source and destination
+iteration, in a fresh order each time, so drift and the background work one system leaves
+after a call hit the others alike; one warm-up iteration is not counted. Source and destination
 buffers are the same for every system and registered with both (Mooncake's zero-copy API needs
 it; hicache-mc's TE path uses it). Then ``batch_is_exist`` against ``batch_exists`` of 128
 stored keys. Prints a table (GB/s, objects/s, p50/p99 per batch, hicache-mc / Mooncake ratios)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -149,7 +151,7 @@ def run_case(sides, size: int, batch: int, iters: int, src, dst) -> list[dict]:
     ps, pd, sizes = [a.ctypes.data for a in src], [a.ctypes.data for a in dst], [size] * batch
     times = {s.name: ([], []) for s in sides}
     for it in range(iters + 1):                 # iteration 0 warms connections and pages up
-        for side in sides:
+        for side in shuffled(sides, it):
             keys = [f"vs/{side.name.replace(' ', '-')}/{size}/{batch}/{it}/{i}" for i in range(batch)]
             t0 = time.perf_counter()
             put_ok = side.put(keys, ps, sizes)
@@ -182,6 +184,14 @@ def run_case(sides, size: int, batch: int, iters: int, src, dst) -> list[dict]:
     return rows
 
 
+def shuffled(sides: list, turn: int) -> list:
+    """The sides in a fresh order each turn (seeded: the same in every run), so whatever one
+    system leaves running after a call (its own background work) falls on the others alike."""
+    order = list(sides)
+    random.Random(turn).shuffle(order)
+    return order
+
+
 def exists_case(sides, n: int, reps: int) -> list[dict]:
     """``n`` stored keys per side, probed ``reps`` times, the sides taking turns."""
     buf = np.zeros(4096, dtype=np.uint8)
@@ -190,8 +200,8 @@ def exists_case(sides, n: int, reps: int) -> list[dict]:
         side.register([buf])
         keys[side.name] = [f"vs-exists/{side.name.replace(' ', '-')}/{i}" for i in range(n)]
         assert side.put(keys[side.name], [buf.ctypes.data] * n, [4096] * n) == n
-    for _ in range(reps):
-        for side in sides:
+    for rep in range(reps):
+        for side in shuffled(sides, rep):
             t0 = time.perf_counter()
             found = side.exists(keys[side.name])
             lat[side.name].append(time.perf_counter() - t0)
