@@ -21,7 +21,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=args.token, metrics_port=args.metrics_port)
+                       port=args.port, token=args.token, metrics_port=args.metrics_port,
+                       direct_port=args.direct_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
@@ -29,7 +30,8 @@ def _node_config(args, master: Optional[str] = None) -> NodeConfig:
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
-                       te_protocol=args.te_protocol, data_port=args.data_port)
+                       te_protocol=args.te_protocol, data_port=args.data_port,
+                       direct_port=args.node_direct_port)
 
 
 def node_options(sp) -> None:
@@ -45,6 +47,8 @@ def node_options(sp) -> None:
                     help="Prometheus /metrics port of the node (default 0: off)")
     sp.add_argument("--data-port", type=int,
                     help="the node's stream port for the tcp transport (default 0: any free port)")
+    sp.add_argument("--node-direct-port", type=int,
+                    help="the node's direct request port, plain TCP (default 0: any free port; -1: off)")
 
 
 def run_services(services, children=()) -> bool:
@@ -249,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="master port (default 7370)")
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port of the master (default 0: off)")
+    s.add_argument("--direct-port", type=int,
+                   help="the master's direct request port, plain TCP (default 0: any free port; -1: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -257,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 0: off)")
+    s.add_argument("--direct-port", type=int,
+                   help="direct request port, plain TCP (default 0: any free port; -1: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")

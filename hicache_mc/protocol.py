@@ -181,6 +181,17 @@ class StatsRequest(Message):
 
 
 @message
+class HelloRequest(Message):
+    pass
+
+
+@message
+class HelloReply(Message):
+    epoch: str
+    direct_address: str      # host:port of the master's direct port; empty when it has none
+
+
+@message
 class StatsReply(Message):
     stats: dict
 
@@ -347,6 +358,8 @@ class NodeInfo:
     te_protocol: str = ""
     # host:port of the node's stream port (transport/stream.py); empty for a node without one
     data_address: str = ""
+    # host:port where the node takes its requests over plain TCP (rpc.py); empty: none
+    direct_address: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -98,8 +98,8 @@ class Cluster:
         self.wait_nodes(1)
         return self
 
-    def start_master(self) -> Proc:
-        self.master_proc = self._proc("master", ["master", "--port", str(self.port)]).start()
+    def start_master(self, args: tuple = ()) -> Proc:
+        self.master_proc = self._proc("master", ["master", "--port", str(self.port), *args]).start()
         return self.master_proc
 
     def add_node(self, dram: str = "256MiB", port: Optional[int] = None, args: tuple = (),

@@ -36,6 +36,9 @@ LOCATION_TTL_S = 1.0
 LOCATION_CACHE_MAX = 1 << 16
 # How long a put waits for an early Reserve's answer before it hears from the master.
 EARLY_GRACE_S = 0.25
+HELLO_S = 30.0              # the master is asked for its direct port this often
+HELLO_RETRY_S = 5.0         # ... or this soon again when it did not answer
+HELLO_TIMEOUT_S = 1.0
 SPECULATE_RUN = 1 << 20     # copies made before the Place is answered go in runs of this much
 
 
@@ -106,6 +109,8 @@ class StoreClient:
         self._nodes: dict[str, P.NodeInfo] = {}
         self._node_records: dict[str, dict] = {}
         self._where: dict[str, tuple[float, tuple]] = {}  # key -> (expiry, location) from Exists
+        self._direct: dict[str, str] = {}     # service address -> its direct port (host:port)
+        self._next_hello = 0.0                # when to ask the master for its direct port (again)
         self._writer: Optional[str] = None    # the node on this host the last put went to
         self.host = host_identity()
         self.checks = ChecksumCounter()
@@ -127,15 +132,42 @@ class StoreClient:
     # -------------------------------------------------------------- plumbing
 
     def _channel(self, address: str) -> Channel:
+        if address == self.config.master and time.monotonic() >= self._next_hello:
+            self._hello()
         chans = getattr(self._local, "chans", None)
         if chans is None:
             chans = self._local.chans = {}
         ch = chans.get(address)
         if ch is None:
-            ch = chans[address] = Channel(self.ctx, address, self.config.token)
+            ch = chans[address] = Channel(self.ctx, address, self.config.token,
+                                          self._direct.get(address, ""))
             with self._channels_lock:
                 self._channels.append(ch)
         return ch
+
+    def _hello(self) -> None:
+        """Ask the master (over ZeroMQ) where its direct port is; again every HELLO_S, so a
+        restarted master's new port is found (meanwhile requests go through ZeroMQ)."""
+        self._next_hello = time.monotonic() + HELLO_S
+        ch = Channel(self.ctx, self.config.master, self.config.token)
+        try:
+            reply = ch.call(P.HelloRequest(), min(HELLO_TIMEOUT_S, self.config.timeout_s))[0]
+        except HicacheError:
+            self._next_hello = time.monotonic() + HELLO_RETRY_S
+            return
+        finally:
+            ch.close()
+        self._set_direct(self.config.master, reply.direct_address if self.config.direct else "")
+
+    def _set_direct(self, address: str, direct: str) -> None:
+        """Requests to ``address`` go through ``direct`` from now on ("" = ZeroMQ)."""
+        if self._direct.get(address, "") == direct:
+            return
+        self._direct[address] = direct
+        with self._channels_lock:
+            for ch in self._channels:
+                if ch.address == address:
+                    ch.direct = direct
 
     def _master(self, msg: P.Message, deadline: float) -> P.Message:
         ch = self._channel(self.config.master)
@@ -148,8 +180,9 @@ class StoreClient:
     def _learn(self, nodes: dict) -> None:
         for node_id, d in nodes.items():
             if self._node_records.get(node_id) != d:   # decode (and type-check) a record once
-                self._nodes[node_id] = P.NodeInfo.from_dict(d)
+                info = self._nodes[node_id] = P.NodeInfo.from_dict(d)
                 self._node_records[node_id] = d
+                self._set_direct(info.address, info.direct_address if self.config.direct else "")
 
     def transport_for(self, node: P.NodeInfo) -> Transport:
         """auto: shm for a node on this host whose segment maps, mooncake for a remote node that

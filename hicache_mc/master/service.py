@@ -39,6 +39,8 @@ class MasterService(Service):
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
         self.enable_metrics(config.metrics_host, config.metrics_port)
+        if config.direct_port >= 0:
+            self.enable_direct(config.host, config.direct_port)
 
     # -------------------------------------------------------------- timers
 
@@ -124,6 +126,9 @@ class MasterService(Service):
             row = self.by_namespace.setdefault(ns, [0, 0])
         row[0] += hits
         row[1] += misses
+
+    def on_HelloRequest(self, msg, payload, ident, req_id):
+        return P.HelloReply(self.epoch, self.direct_address), None
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.sizes):

@@ -79,11 +79,21 @@ class StorageNode(Service):
                 self.te.close()
             dram.close()
             raise
+        if config.direct_port >= 0:
+            try:
+                self.enable_direct(config.host, config.direct_port)
+            except OSError:
+                self.streams.close()
+                if self.te is not None:
+                    self.te.close()
+                dram.close()
+                raise
         self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
                                config.prefault, te_address=self.te.address if self.te else "",
                                te_base=self.te.base if self.te else 0,
                                te_protocol=config.te_protocol,
-                               data_address=self.streams.address)
+                               data_address=self.streams.address,
+                               direct_address=self.direct_address)
         self.master = self.ctx.socket(zmq.DEALER)
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)

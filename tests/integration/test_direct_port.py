@@ -1,0 +1,108 @@
+"""The direct port: the master's and nodes' requests over plain TCP. Clients use it when the
+service has one, fall back to ZeroMQ when it refuses connections, and bad input on it gets an
+error reply (or, for a frame that declares more than the limits, the connection dropped)
+while the service keeps serving."""
+import socket
+import struct
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from hicache_mc import protocol as P
+from hicache_mc.client import StoreClient
+from hicache_mc.rpc import pack_frames, parse_frames
+from test_bad_input import BAD
+
+
+def direct_of(store, which: str) -> str:
+    if which == "master":
+        with StoreClient(store.master) as c:
+            c._hello()
+            return c._direct[store.master]
+    return store.cluster.stats()["nodes"][0]["direct_address"]
+
+
+def exchange(direct: str, frames: list, timeout_s: float = 2.0):
+    """Send one framed message; the decoded reply, or None when the connection is dropped."""
+    host, port = direct.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+        s.sendall(b"".join(bytes(f) for f in pack_frames(frames)))
+        buf = bytearray()
+        while True:
+            got = parse_frames(buf, 1 << 30)
+            if got is not None:
+                return P.decode(got[1])[0]
+            try:
+                data = s.recv(1 << 16)
+            except (ConnectionResetError, socket.timeout):
+                return None
+            if not data:
+                return None
+            buf += data
+
+
+def test_client_requests_go_through_the_direct_ports(store):
+    src = np.random.default_rng(3).integers(0, 256, 300_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with StoreClient(store.master) as c:
+        keys = [f"direct/{i}" for i in range(4)]
+        assert all(c.batch_put_from(keys, [src.ctypes.data] * 4, [src.nbytes] * 4))
+        assert c.batch_exists(keys) == 4
+        assert c.batch_get_into(keys[-1:], [dst.ctypes.data], [dst.nbytes]) == [True]
+        assert np.array_equal(src, dst)
+        used = [ch for ch in c._channels if ch.conn is not None]
+        assert {ch.address for ch in used} >= {store.master, store.cluster.stats()["nodes"][0]["address"]}
+
+
+@pytest.mark.parametrize("which", ["master", "node"])
+@pytest.mark.parametrize("name,frames,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_frames_on_the_direct_port_get_errors(store, which, name, frames, code):
+    reply = exchange(direct_of(store, which), frames)
+    assert isinstance(reply, P.ErrorReply) and reply.code == code, reply
+    with StoreClient(store.master) as c:
+        assert c.put(f"after-direct/{which}/{name}", b"ok")
+        assert c.get(f"after-direct/{which}/{name}") == b"ok"
+
+
+@pytest.mark.parametrize("which", ["master", "node"])
+def test_oversized_or_torn_frames_drop_only_that_connection(store, which):
+    direct = direct_of(store, which)
+    host, port = direct.rsplit(":", 1)
+    # a header bigger than the limit: refused before it is buffered
+    huge = struct.pack("<II", P.MAX_HEADER_BYTES + 1, 0)
+    with socket.create_connection((host, int(port)), timeout=2) as s:
+        s.sendall(huge)
+        assert s.recv(16) == b""        # dropped
+    # half a message, then the peer goes away
+    with socket.create_connection((host, int(port)), timeout=2) as s:
+        s.sendall(b"".join(pack_frames([msgpack.packb([P.VERSION, "StatsRequest", 1, "", []])]))[:7])
+    ask = P.StatsRequest() if which == "master" else P.NodeStatsRequest()
+    assert isinstance(exchange(direct, P.encode(ask, 5)), P.StatsReply)
+
+
+def test_a_direct_port_that_refuses_connections_falls_back_to_zeromq(store):
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with StoreClient(store.master) as c:
+        assert c.put("fallback/a", b"x")
+        c._next_hello = time.monotonic() + 3600         # keep the master from correcting it
+        c._set_direct(store.master, dead)
+        for ch in c._channels:
+            ch.reset()
+        assert c.exists("fallback/a") and c.get("fallback/a") == b"x"
+        ch = c._channel(store.master)
+        assert ch.conn is None and ch.sock is not None  # went through ZeroMQ
+
+
+def test_direct_ports_off(cluster):
+    """``direct_port = -1`` on both: everything goes through ZeroMQ."""
+    cluster.start_master(args=("--direct-port", "-1"))
+    cluster.add_node(args=("--node-direct-port", "-1"))
+    cluster.wait_nodes(1)
+    with StoreClient(cluster.master) as c:
+        assert c.put("off/a", b"x") and c.get("off/a") == b"x"
+        assert all(ch.conn is None for ch in c._channels)
+        assert c._direct.get(cluster.master, "") == ""
