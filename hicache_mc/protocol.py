@@ -270,6 +270,7 @@ class LeaseReply(Message):
     sizes: list[int]
     checksums: list[int]
     deadline: float
+    segment: str             # the id of the segment the offsets are in (see segment_of)
 
 
 @message
@@ -311,6 +312,7 @@ RESERVE_BUSY = -4    # another writer is storing it right now: not acknowledged 
 class ReserveReply(Message):
     offsets: list[int]       # >= 0 = a slot; or RESERVE_FULL / RESERVE_STORED / RESERVE_BUSY
     deadline: float          # commit before this (CLOCK_MONOTONIC)
+    segment: str             # the id of the segment the offsets are in (see segment_of)
 
 
 @message
@@ -378,6 +380,14 @@ class NodeInfo:
             return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"bad node record: {exc}") from None
+
+
+def segment_of(node: NodeInfo) -> str:
+    """The id of the DRAM segment a node record describes (new with every node process).
+    Lease and Reserve replies name theirs: a client holding an older record of a node that
+    restarted at the same address must not use the new segment's offsets with the old
+    segment's mapping (or Transfer Engine address)."""
+    return node.shm_path.rsplit("-", 1)[-1]
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
@@ -42,6 +43,8 @@ DIRECT_RETRY_S = 30.0                   # a direct port that refused a connectio
 CONNECT_TIMEOUT_S = 1.0
 SEND_TIMEOUT_S = 30.0                   # a direct-port peer that takes no bytes for this long is gone
 RECV_BYTES = 1 << 20
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)  # buffers per sendmsg
+MAX_CONNECTIONS = 512                   # direct-port peers a service keeps; more are refused
 OUT_LIMIT = 512 << 20                   # replies a direct-port peer may leave unread
 
 
@@ -64,16 +67,24 @@ def pack_frames(frames: list) -> list:
     return [prefix, *frames]
 
 
+def _sent(bufs: list, sent: int) -> list:
+    """What is left of ``bufs`` after ``sent`` bytes went out."""
+    i = 0
+    while i < len(bufs) and sent >= len(bufs[i]):
+        sent -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
+
+
 def send_all(sock: socket.socket, bufs: list) -> None:
-    """``sendmsg`` of every buffer, whatever a single call could take (blocking socket)."""
+    """``sendmsg`` of every buffer, whatever a single call could take (blocking socket; at
+    most IOV_MAX buffers a call)."""
     bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
     while bufs:
-        sent = sock.sendmsg(bufs)
-        while bufs and sent >= len(bufs[0]):
-            sent -= len(bufs[0])
-            bufs.pop(0)
-        if bufs and sent:
-            bufs[0] = bufs[0][sent:]
+        bufs = _sent(bufs, sock.sendmsg(bufs[:IOV_MAX]))
 
 
 def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
@@ -142,21 +153,16 @@ class DirectConnection:
         if self.closed:
             return          # the peer went away: its reply has nowhere to go
         bufs = [memoryview(b).cast("B") for b in pack_frames(frames) if len(b)]
-        if not self.out:
+        while bufs and not self.out:
             try:
-                sent = self.sock.sendmsg(bufs)
+                bufs = _sent(bufs, self.sock.sendmsg(bufs[:IOV_MAX]))
             except (BlockingIOError, InterruptedError):
-                sent = 0
+                break
             except OSError:
                 self.close()
                 return
-            while bufs and sent >= len(bufs[0]):
-                sent -= len(bufs[0])
-                bufs.pop(0)
-            if bufs and sent:
-                bufs[0] = bufs[0][sent:]
-            if not bufs:
-                return
+        if not bufs:
+            return
         # the peer is not reading fast enough: keep the rest (copied: a payload may be a
         # leased view) and send it when the socket can take it; a peer that leaves more
         # than OUT_LIMIT unread is dropped
@@ -258,9 +264,15 @@ class Service:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
+            except OSError as exc:     # e.g. out of file descriptors: try again next turn
                 self._warn("accept", "%s: accept on the direct port failed: %s", self.name, exc)
+                time.sleep(0.01)
                 return
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self._warn("conns", "%s: %d direct connections already; refused one",
+                           self.name, MAX_CONNECTIONS)
+                sock.close()
+                continue
             conn = DirectConnection(sock, self)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, zmq.POLLIN)
@@ -283,7 +295,10 @@ class Service:
                 conn.flush()
             if ev & zmq.POLLIN:
                 for frames in conn.read():
-                    self._handle(frames, conn)
+                    try:
+                        self._handle(frames, conn)
+                    except Exception:   # one request's failure must not drop the others read with it
+                        log.exception("%s: request on the direct port failed", self.name)
 
     def add_socket(self, sock, on_readable: Callable[[], None]) -> None:
         """Poll another socket or file descriptor in the same loop (the node's channel to
@@ -422,11 +437,13 @@ class Channel:
     through the service's direct port when ``direct`` names one that takes connections, else
     a ZeroMQ DEALER. Not thread-safe: one per thread."""
 
-    def __init__(self, ctx: zmq.Context, address: str, token: str = "", direct: str = ""):
+    def __init__(self, ctx: zmq.Context, address: str, token: str = "", direct: str = "",
+                 timeout_s: float = SEND_TIMEOUT_S):
         self.ctx = ctx
         self.address = address
         self.token = token
         self.direct = direct                # host:port of the service's direct port, or ""
+        self.timeout_s = timeout_s          # longest a direct connect or send may block
         self.sock: Optional[zmq.Socket] = None
         self.conn: Optional[socket.socket] = None
         self._inbuf = bytearray()
@@ -445,24 +462,36 @@ class Channel:
         """The direct connection, opened when there may be one (and no ZeroMQ request of this
         channel is still unanswered); None: use ZeroMQ."""
         if self.conn is not None:
-            return self.conn
+            if self._waiting or self._peer_open():
+                return self.conn
+            self.reset()        # the service restarted: nothing was in flight, connect anew
         if not self.direct or self._waiting or time.monotonic() < self._direct_down_until:
             return None
         host, _, port = self.direct.rpartition(":")
         try:
-            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
+            conn = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
         except (OSError, ValueError) as exc:
             self._direct_down_until = time.monotonic() + DIRECT_RETRY_S
             log.warning("direct port %s of %s: %s; using ZeroMQ for %.0fs", self.direct,
                         self.address, exc, DIRECT_RETRY_S)
             return None
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(SEND_TIMEOUT_S)
         if self.sock is not None:           # nothing is awaited on it: late replies go with it
             self.sock.close(0)
             self.sock = None
         self.conn, self._inbuf = conn, bytearray()
         return conn
+
+    def _peer_open(self) -> bool:
+        """False when the idle direct connection was closed by the service (restarted)."""
+        try:
+            self.conn.settimeout(0.0)   # with a timeout, Python would wait for data first
+            return self.conn.recv(1, socket.MSG_PEEK) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
 
     def send(self, msg: P.Message, payload: Optional[list] = None) -> int:
         """Send without waiting; returns the request id to pass to ``recv``. Several requests
@@ -472,7 +501,7 @@ class Channel:
         conn = self._direct_conn()
         if conn is not None:
             try:
-                conn.settimeout(SEND_TIMEOUT_S)
+                conn.settimeout(self.timeout_s)
                 send_all(conn, pack_frames(frames))
             except OSError as exc:
                 self.reset()

@@ -16,7 +16,7 @@ def test_every_message_round_trips():
     msgs = [P.ExistsRequest(["a", "b"]), P.ExistsReply(2, ["n"], [0, 0], [5, 1], {"n": {}}),
             P.LocateReply(["n"], [0, -1], [5, 0], {"n": {}}),
             P.PlaceRequest(["k"], [10], "host"), P.PlaceReply([None, "n1", ""], {}),
-            P.LeaseReply([0, -1], [3, -1], [7, 0], 1.5), P.WriteReply([True, False]),
+            P.LeaseReply([0, -1], [3, -1], [7, 0], 1.5, "ab12cd34"), P.WriteReply([True, False]),
             P.HeartbeatReply("e", True, {"t": 5}), P.ErrorReply("bad_request", "x"), P.OkReply()]
     for m in msgs:
         assert roundtrip(m)[0] == m

@@ -21,7 +21,7 @@ import zmq
 from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError, RemoteError, StoreUnavailable
-from ..rpc import Channel
+from ..rpc import Channel, host_of
 from ..transport.base import ROUND_BYTES, ChecksumCounter, LeasedTransport, Transport
 from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
@@ -140,7 +140,7 @@ class StoreClient:
         ch = chans.get(address)
         if ch is None:
             ch = chans[address] = Channel(self.ctx, address, self.config.token,
-                                          self._direct.get(address, ""))
+                                          self._direct.get(address, ""), self.config.timeout_s)
             with self._channels_lock:
                 self._channels.append(ch)
         return ch
@@ -157,7 +157,14 @@ class StoreClient:
             return
         finally:
             ch.close()
-        self._set_direct(self.config.master, reply.direct_address if self.config.direct else "")
+        direct = ""
+        if self.config.direct and reply.direct_address:
+            # the port the master reports, on the host this client reaches it by (the master
+            # may bind 0.0.0.0)
+            host = host_of(self.config.master)
+            port = reply.direct_address.rpartition(":")[2]
+            direct = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._set_direct(self.config.master, direct)
 
     def _set_direct(self, address: str, direct: str) -> None:
         """Requests to ``address`` go through ``direct`` from now on ("" = ZeroMQ)."""
@@ -334,17 +341,18 @@ class StoreClient:
         deadline = self._deadline()
         mch = self._channel(self.config.master)
         place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
-        early = self._reserve_early(keys, sizes)   # overlaps the Place round trip
+        early = None
         try:
+            early = self._reserve_early(keys, sizes)   # overlaps the Place round trip
             if early is not None:
                 self._copy_early(early, mch, place_rid, keys, ptrs, sizes, deadline)
             placed = P.raise_if_error(mch.recv(place_rid, deadline)[0])
+            self._learn(placed.nodes)
         except Exception:
             mch.forget([place_rid])
             if early is not None:
                 early.abandon(keys)
             raise
-        self._learn(placed.nodes)
         result = [t is None for t in placed.targets]      # None: already stored
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, target in enumerate(placed.targets):
@@ -401,6 +409,9 @@ class StoreClient:
         except RemoteError as exc:
             early.failed(exc)
             return
+        if not early.transport.same_segment(early.node, early.reply, keys):
+            early.reply, early.rid = None, None     # the keys go the ordinary way
+            return
         offsets, run, run_bytes = early.reply.offsets, [], 0
         todo = [i for i, off in enumerate(offsets) if off >= 0]
         for n, i in enumerate(todo):
@@ -408,7 +419,7 @@ class StoreClient:
             run_bytes += sizes[i]
             if run_bytes < SPECULATE_RUN and n + 1 < len(todo):
                 continue
-            if mch.ready(place_rid):
+            if mch.ready(place_rid) or time.monotonic() >= min(deadline, early.reply.deadline):
                 return
             try:
                 sums = early.transport.store_slots(early.node, run, keys, ptrs, sizes,
@@ -436,11 +447,15 @@ class StoreClient:
             # EARLY_GRACE_S already); unanswered, its reservations lapse after reserve_s.
             try:
                 reply = P.raise_if_error(early.ch.recv(early.rid, deadline if mine else 0)[0])
+                if not transport.same_segment(node, reply, keys):
+                    reply = None
             except HicacheError as exc:
                 early.failed(exc if mine else None)
         if reply is None:
             self._writer = None
-            return          # those keys stay False; the other nodes' writes go on
+            if mine and time.monotonic() < deadline:
+                by_node[node.node_id] = mine    # try them the ordinary way (a node restarted
+            return                              # meanwhile has no early slots: it will take them)
         self.counters["reserve_early"] += 1
         offsets, taken, lost = reply.offsets, set(mine), early.lost
         spare = [i for i, off in enumerate(offsets) if off >= 0 and i not in taken and i not in lost]

@@ -70,6 +70,7 @@ class StorageNode(Service):
                           wake=self._wake)
             self.add_socket(self._wake_r, self._on_ssd_done)
         self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
+        self.segment_id = seg_id
         self.dram = dram
         self.te = self._transfer_engine(config, dram)
         try:
@@ -249,7 +250,8 @@ class StorageNode(Service):
         self.counters["reads"] += len(msg.keys)
         self.counters["read_hits"] += sum(o >= 0 for o in offsets)
         # the reader must be done a little before the slot could be reused
-        return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8), None
+        return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8,
+                            self.segment_id), None
 
     def on_ReleaseRequest(self, msg: P.ReleaseRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.offsets):
@@ -279,7 +281,7 @@ class StorageNode(Service):
         self.store.next_request()
         offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
                                           msg.evict, self.config.max_value)
-        return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8), None
+        return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8, self.segment_id), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.checksums):

@@ -215,6 +215,8 @@ class LeasedTransport(Transport):
     def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
         ch = self.channel_for(node.address)
         reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest([keys[i] for i in idx])), deadline)[0])
+        if not self.same_segment(node, reply, [keys[i] for i in idx]):
+            return []       # misses
         todo, sums, offs, streamed = [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
             if off == P.LEASE_STREAM:
@@ -246,7 +248,22 @@ class LeasedTransport(Transport):
     def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
         rid = self.reserve(node, [keys[i] for i in idx], [sizes[i] for i in idx])
         reply = P.raise_if_error(self.channel_for(node.address).recv(rid, deadline)[0])
+        if not self.same_segment(node, reply, [keys[i] for i in idx]):
+            return          # not stored
         self.fill(node, idx, keys, ptrs, sizes, reply.offsets, reply.deadline, deadline, out)
+
+    def same_segment(self, node, reply, keys: list[str]) -> bool:
+        """Whether a Lease or Reserve reply's offsets are in the segment ``node`` (the record
+        this client holds) describes. When not, the node restarted at the same address since
+        the record was made: its leases or slots are given back, and the caller treats the
+        keys as misses / not stored until a fresh record comes with a master reply."""
+        if reply.segment == P.segment_of(node):
+            return True
+        held = [i for i, off in enumerate(reply.offsets) if off >= 0]
+        self.cancel(node, [keys[i] for i in held], [reply.offsets[i] for i in held])
+        log.info("node %s restarted (segment %s, this client knew %s): %d keys wait for its new "
+                 "record", node.node_id, reply.segment, P.segment_of(node), len(keys))
+        return False
 
     def reserve(self, node, keys: list[str], sizes: list[int], evict: bool = True) -> int:
         """Send ``ReserveRequest`` without waiting; the request id to receive the reply with."""
@@ -289,7 +306,8 @@ class LeasedTransport(Transport):
             out[i] = ok
 
     def cancel(self, node, keys: list[str], offsets: list[int]) -> None:
-        """Give back reserved slots that will not be written (the reply is not awaited)."""
+        """Give back reserved slots that will not be written, or leases that will not be
+        read (the reply is not awaited)."""
         if keys:
             ch = self.channel_for(node.address)
             ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])

@@ -120,3 +120,39 @@ def test_serve_whose_node_cannot_start_exits_with_the_reason(cluster, tmp_path):
                                    "--ssd", "64MiB", "--ssd-dir", str(not_a_dir)]).start()
     assert proc.p.wait(30) == 1
     assert "the node could not start" in proc.log()
+
+
+def test_a_stale_record_of_a_restarted_node_is_neither_read_nor_written_through(cluster):
+    """A node restarted at the same address has a new segment. A client still holding the old
+    record must not copy the new segment's offsets through its old mapping: Lease and Reserve
+    replies name their segment, and a mismatch gives misses (not checksum failures) and puts
+    that are not stored, with nothing left leased or reserved on the node."""
+    import numpy as np
+
+    from hicache_mc import protocol as P
+    from procs import free_port, request
+
+    cluster.start_master()
+    port = free_port()
+    first = cluster.add_node(port=port)
+    cluster.wait_nodes(1)
+    src = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8)
+    with StoreClient(cluster.master, transport="shm") as c:
+        assert c.batch_put_from(["stale/a"], [src.ctypes.data], [src.nbytes]) == [True]
+        old = next(iter(c._nodes.values()))
+        first.kill()
+        cluster.wait_nodes(0, timeout_s=10)
+        cluster.add_node(port=port)
+        fresh = cluster.wait_nodes(1)["nodes"][0]
+        assert P.segment_of(old) != fresh["shm_path"].rsplit("-", 1)[-1]
+        # the new node holds the key again (it is written anew through the fresh record) ...
+        assert c.batch_put_from(["stale/a"], [src.ctypes.data], [src.nbytes]) == [True]
+        dst = np.zeros_like(src)
+        # ... but through the old record: a miss, not a checksum failure; and no put
+        assert c.shm.read(old, ["stale/a"], [dst.ctypes.data], [dst.nbytes], time.monotonic() + 5) == [False]
+        assert c.shm.write(old, ["stale/b"], [src.ctypes.data], [src.nbytes], time.monotonic() + 5) == [False]
+        assert c.checks.failures == 0
+        stats = request(old.address, P.NodeStatsRequest()).stats
+        assert stats["reserved"] == 0 and stats["quarantined"] == 0
+        assert c.batch_get_into(["stale/a"], [dst.ctypes.data], [dst.nbytes]) == [True]
+        assert np.array_equal(src, dst)

@@ -106,3 +106,25 @@ def test_direct_ports_off(cluster):
         assert c.put("off/a", b"x") and c.get("off/a") == b"x"
         assert all(ch.conn is None for ch in c._channels)
         assert c._direct.get(cluster.master, "") == ""
+
+
+def test_more_frames_than_one_sendmsg_takes(store):
+    """Over 1024 payload frames in one message (tiny objects through the ZeroMQ-frames path):
+    both directions are sent in pieces of at most IOV_MAX buffers."""
+    from hicache_mc.rpc import Channel
+    import zmq
+    node = store.cluster.stats()["nodes"][0]
+    ctx = zmq.Context()
+    ch = Channel(ctx, node["address"], direct=node["direct_address"])
+    try:
+        n = 1500
+        keys = [f"iov/{i}" for i in range(n)]
+        blobs = [bytes([i % 256]) * 64 for i in range(n)]
+        from hicache_mc.transport.base import checksum
+        reply, _ = ch.call(P.WriteRequest(keys, [checksum(b) for b in blobs]), 10, payload=blobs)
+        assert ch.conn is not None and all(reply.ok)
+        reply, frames = ch.call(P.ReadRequest(keys), 10)
+        assert [bytes(f.buffer) for f in frames] == blobs
+    finally:
+        ch.close()
+        ctx.term()
