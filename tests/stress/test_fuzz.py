@@ -1,4 +1,5 @@
-"""Bad input: random and mutated frames to the master's and the nodes' ports (hypothesis).
+"""Bad input: random and mutated frames to the master's and the nodes' ports, ZeroMQ and
+direct (hypothesis).
 
 The property, for every frame set: the server answers (an ``ErrorReply`` or the reply of the
 request), stays up, and keeps serving a valid client; its peak memory stays put. Strategies:
@@ -18,6 +19,7 @@ a wrongly typed one is a bug, reproduced in ``test_bad_sizes.py`` with the other
 """
 from __future__ import annotations
 
+import socket
 import typing
 
 import msgpack
@@ -27,8 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_mc import protocol as P
+from hicache_mc.rpc import pack_frames, parse_frames
 from harness import record, stress_cluster, valid_client_works, vm_hwm
-from procs import Cluster
+from procs import Cluster, request
 
 MiB = 1 << 20
 REPLY_TIMEOUT_S = 8.0        # a node's Write/Commit waits for the master's acknowledgement
@@ -84,6 +87,47 @@ class Target:
             self.sock.close()
 
 
+class DirectTarget(Target):
+    """The same server's direct port: each frame set framed by lengths on one TCP connection."""
+
+    def __init__(self, name: str, direct: str, proc):
+        super().__init__(name, direct, proc)
+        self.buf = bytearray()
+
+    def _socket(self):
+        if self.sock is None:
+            host, port = self.address.rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), timeout=REPLY_TIMEOUT_S)
+            self.buf = bytearray()
+        return self.sock
+
+    def send(self, frames: list[bytes]) -> P.Message:
+        sock = self._socket()
+        sock.sendall(b"".join(bytes(f) for f in pack_frames(frames)))
+        self.sent += 1
+        while True:
+            got = parse_frames(self.buf, 1 << 40)
+            if got is not None:
+                del self.buf[: got[0]]
+                break
+            try:
+                data = sock.recv(1 << 16)
+            except socket.timeout:
+                data = None
+            if not data:        # no fuzz frame is over the limits: the connection must stay
+                sock.close()
+                self.sock = None
+                assert self.proc.alive, f"{self.name} died on {frames!r:.300}"
+                raise AssertionError(f"{self.name} did not answer (or dropped) {frames!r:.300}")
+            self.buf += data
+        msg = P.decode(got[1])[0]
+        code = msg.code if isinstance(msg, P.ErrorReply) else msg.TYPE
+        self.codes[code] = self.codes.get(code, 0) + 1
+        if isinstance(msg, P.ErrorReply) and msg.code == "internal":
+            self.internal.append(f"{frames[0][:200]!r} -> {msg.message}")
+        return msg
+
+
 @pytest.fixture(scope="module")
 def fuzz_cluster(tmp_path_factory):
     """A master, a DRAM node and an SSD node (sync), shared by every fuzz test of the module."""
@@ -98,9 +142,15 @@ def fuzz_cluster(tmp_path_factory):
 
 
 def targets(c: Cluster) -> list[Target]:
+    """The three ZeroMQ ports, then the same three servers' direct ports."""
+    hello = request(c.master, P.HelloRequest(), 2.0, c.token)
+    direct = {n["address"]: n["direct_address"] for n in c.stats()["nodes"]}
     return [Target("master", c.master, c.master_proc),
             Target("node", c.nodes[0].address, c.nodes[0]),
-            Target("ssd-node", c.nodes[1].address, c.nodes[1])]
+            Target("ssd-node", c.nodes[1].address, c.nodes[1]),
+            DirectTarget("master-direct", hello.direct_address, c.master_proc),
+            DirectTarget("node-direct", direct[c.nodes[0].address], c.nodes[0]),
+            DirectTarget("ssd-node-direct", direct[c.nodes[1].address], c.nodes[1])]
 
 
 # ------------------------------------------------------------------ strategies
@@ -155,7 +205,8 @@ def hostile(hint, n=None):
 
 @st.composite
 def typed(draw):
-    """(frames, target index or None): index 0 is the master, 1 and 2 the nodes."""
+    """(frames, target index or None): index 0 is the master, 1 and 2 the nodes (+3: their
+    direct ports)."""
     name = draw(st.sampled_from(MASTER_TYPES + NODE_TYPES))
     cls = P._REGISTRY[name]
     # half the time the lists agree in length and a Write carries one frame per key, so the
@@ -225,7 +276,7 @@ def test_fuzz_frames(fuzz_cluster, profile, strategy):
     def one(frames, which):
         if strategy == "typed":
             frames, where = frames
-            which = which if where is None else where
+            which = which if where is None else where + (3 if which >= 3 else 0)
         tgts[which].send(frames)
 
     try:
