@@ -132,7 +132,7 @@ class StoreClient:
     # -------------------------------------------------------------- plumbing
 
     def _channel(self, address: str) -> Channel:
-        if address == self.config.master and time.monotonic() >= self._next_hello:
+        if self.config.direct and address == self.config.master and time.monotonic() >= self._next_hello:
             self._hello()
         chans = getattr(self._local, "chans", None)
         if chans is None:

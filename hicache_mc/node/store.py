@@ -182,10 +182,7 @@ class TieredStore:
 
     def commit(self, key: str, checksum: int) -> bool:
         """Make a reserved slot a readable object (the shm/TE write path)."""
-        if not self.dram.commit(key, checksum):
-            return False
-        self.usage[tenant_of(key)] += self.dram.objects[key].size
-        return True
+        return self.commit_many([key], [checksum])[0] is not None
 
     def commit_many(self, keys: list[str], checksums: list[int]) -> list[Optional[Obj]]:
         """``commit`` for a batch: the committed object per key (None: nothing reserved)."""

@@ -215,7 +215,7 @@ class LeasedTransport(Transport):
     def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
         ch = self.channel_for(node.address)
         reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest([keys[i] for i in idx])), deadline)[0])
-        if not self.same_segment(node, reply, [keys[i] for i in idx]):
+        if not self.same_segment(node, reply, keys, idx):
             return []       # misses
         todo, sums, offs, streamed = [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
@@ -248,21 +248,23 @@ class LeasedTransport(Transport):
     def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
         rid = self.reserve(node, [keys[i] for i in idx], [sizes[i] for i in idx])
         reply = P.raise_if_error(self.channel_for(node.address).recv(rid, deadline)[0])
-        if not self.same_segment(node, reply, [keys[i] for i in idx]):
+        if not self.same_segment(node, reply, keys, idx):
             return          # not stored
         self.fill(node, idx, keys, ptrs, sizes, reply.offsets, reply.deadline, deadline, out)
 
-    def same_segment(self, node, reply, keys: list[str]) -> bool:
-        """Whether a Lease or Reserve reply's offsets are in the segment ``node`` (the record
-        this client holds) describes. When not, the node restarted at the same address since
-        the record was made: its leases or slots are given back, and the caller treats the
-        keys as misses / not stored until a fresh record comes with a master reply."""
+    def same_segment(self, node, reply, keys: list[str], idx: Optional[list[int]] = None) -> bool:
+        """Whether a Lease or Reserve reply's offsets (for ``keys[i] for i in idx``, all keys
+        when ``idx`` is None) are in the segment ``node`` (the record this client holds)
+        describes. When not, the node restarted at the same address since the record was
+        made: its leases or slots are given back, and the caller treats the keys as misses /
+        not stored until a fresh record comes with a master reply."""
         if reply.segment == P.segment_of(node):
             return True
-        held = [i for i, off in enumerate(reply.offsets) if off >= 0]
-        self.cancel(node, [keys[i] for i in held], [reply.offsets[i] for i in held])
+        asked = keys if idx is None else [keys[i] for i in idx]
+        held = [j for j, off in enumerate(reply.offsets) if off >= 0]
+        self.cancel(node, [asked[j] for j in held], [reply.offsets[j] for j in held])
         log.info("node %s restarted (segment %s, this client knew %s): %d keys wait for its new "
-                 "record", node.node_id, reply.segment, P.segment_of(node), len(keys))
+                 "record", node.node_id, reply.segment, P.segment_of(node), len(asked))
         return False
 
     def reserve(self, node, keys: list[str], sizes: list[int], evict: bool = True) -> int:
