@@ -24,8 +24,8 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 4   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
-              # data_address; 4: locations without checksums)
+VERSION = 5   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
+              # data_address; 4: locations without checksums; 5: commit sequence numbers, fences)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
@@ -109,9 +109,23 @@ class OkReply(Message):
 
 # ---------------------------------------------------------------- master: client side
 
+# Read-your-writes. A node answers a commit as soon as it has sent ``Committed`` to the
+# master (not when the master acknowledges: that was a second round trip on every put). The
+# writer's reply carries the node's commit sequence number; the writer passes it back to the
+# master as a fence (``after``: node id -> [segment id, seq]) with its next lookups, and the
+# master answers them only once it has applied that node's Committed up to that seq (or after
+# FENCE_WAIT_S, in the master). Other clients see the keys as soon as the master has the
+# node's message, which the node sends before it answers the writer.
+
+
+def _fence() -> dict:
+    return {}
+
+
 @message
 class ExistsRequest(Message):
     keys: list[str]
+    after: dict[str, list] = field(default_factory=_fence)
 
 
 class Locations:
@@ -141,6 +155,7 @@ class ExistsReply(Message, Locations):
 @message
 class ContainsRequest(Message):
     keys: list[str]
+    after: dict[str, list] = field(default_factory=_fence)
 
 
 @message
@@ -151,6 +166,7 @@ class ContainsReply(Message):
 @message
 class LocateRequest(Message):
     keys: list[str]
+    after: dict[str, list] = field(default_factory=_fence)
 
 
 @message
@@ -233,6 +249,7 @@ class CommittedRequest(Message):
     keys: list[str]
     sizes: list[int]
     checksums: list[int]
+    seq: int = 0             # the node's commit sequence number this message completes (0: none)
 
 
 @message
@@ -292,6 +309,7 @@ class WriteRequest(Message):
 @message
 class WriteReply(Message):
     ok: list[bool]
+    seq: int = 0             # the node's commit sequence number (a fence for the writer's lookups)
 
 
 @message
@@ -324,6 +342,7 @@ class CommitRequest(Message):
 @message
 class CommitReply(Message):
     ok: list[bool]
+    seq: int = 0             # as WriteReply.seq
 
 
 @message

@@ -36,16 +36,16 @@ def test_version_type_and_shape_errors():
         P.decode([msgpack.packb([P.VERSION, "NoSuchRequest", 1, "", []])])
     assert e.value.code == "unknown_type"
     with pytest.raises(ProtocolError, match="ExistsRequest.keys"):
-        P.decode([msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [[1, 2]]])])
-    with pytest.raises(ProtocolError, match="expected 1 fields"):
-        P.decode([msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [[], []]])])
+        P.decode([msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [[1, 2], {}]])])
+    with pytest.raises(ProtocolError, match="expected 2 fields"):
+        P.decode([msgpack.packb([P.VERSION, "ExistsRequest", 1, "", [[], {}, []]])])
     with pytest.raises(ProtocolError):
         P.decode([])
 
 
 def test_no_pickle_in_the_wire_format():
     frames = P.encode(P.ExistsRequest(["k"]))
-    assert msgpack.unpackb(frames[0]) == [P.VERSION, "ExistsRequest", 0, "", [["k"]]]
+    assert msgpack.unpackb(frames[0]) == [P.VERSION, "ExistsRequest", 0, "", [["k"], {}]]
 
 
 def test_error_reply_becomes_remote_error():

@@ -40,6 +40,7 @@ HELLO_S = 30.0              # the master is asked for its direct port this often
 HELLO_RETRY_S = 5.0         # ... or this soon again when it did not answer
 HELLO_TIMEOUT_S = 1.0
 SPECULATE_RUN = 1 << 20     # copies made before the Place is answered go in runs of this much
+FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
 
 
 class Circuit:
@@ -112,6 +113,7 @@ class StoreClient:
         self._direct: dict[str, str] = {}     # service address -> its direct port (host:port)
         self._next_hello = 0.0                # when to ask the master for its direct port (again)
         self._writer: Optional[str] = None    # the node on this host the last put went to
+        self._reader: Optional[str] = None    # the node that held every key of the last get
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -124,6 +126,11 @@ class StoreClient:
                                     device=cfg.te_device, metadata=cfg.te_metadata,
                                     hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
                                     timeout_s=cfg.timeout_s)
+        # node id -> (until, [segment, seq]): this client's latest commit on each node, named
+        # in its lookups so the master answers them only after applying it (read-your-writes)
+        self._fences: dict[str, tuple[float, list]] = {}
+        for t in (self.tcp, frames, self.shm, self.te):
+            t.committed = self._note_commit
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
@@ -175,6 +182,25 @@ class StoreClient:
             for ch in self._channels:
                 if ch.address == address:
                     ch.direct = direct
+
+    def _note_commit(self, node: P.NodeInfo, seq: int) -> None:
+        if seq > 0:
+            mark = [P.segment_of(node), seq]
+            old = self._fences.get(node.node_id)
+            if old is None or old[1][0] != mark[0] or old[1][1] < seq:   # (threads race here)
+                self._fences[node.node_id] = (time.monotonic() + FENCE_TTL_S, mark)
+
+    def _after(self) -> dict:
+        """The fence for a lookup: this client's recent commits, per node."""
+        if not self._fences:
+            return {}
+        now, after = time.monotonic(), {}
+        for node_id, (until, mark) in list(self._fences.items()):
+            if until > now:
+                after[node_id] = mark
+            else:
+                self._fences.pop(node_id, None)
+        return after
 
     def _master(self, msg: P.Message, deadline: float) -> P.Message:
         ch = self._channel(self.config.master)
@@ -266,7 +292,7 @@ class StoreClient:
         return self._guard(lambda: self._exists(keys), 0)
 
     def _exists(self, keys: list[str]) -> int:
-        reply = self._master(P.ExistsRequest(keys), self._deadline())
+        reply = self._master(P.ExistsRequest(keys, self._after()), self._deadline())
         self._learn(reply.nodes)
         if len(self._where) > LOCATION_CACHE_MAX:
             self._where.clear()
@@ -290,7 +316,7 @@ class StoreClient:
         keys = _check_keys(keys)
         if not keys:
             return []
-        return self._guard(lambda: list(self._master(P.ContainsRequest(keys), self._deadline()).present),
+        return self._guard(lambda: list(self._master(P.ContainsRequest(keys, self._after()), self._deadline()).present),
                            [False] * len(keys))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
@@ -308,16 +334,32 @@ class StoreClient:
         if not keys:
             return []
         deadline = self._deadline()
+        result = [False] * len(keys)
         entries = self._cached_locations(keys)
+        asked, again = None, set()      # the node an early Lease asked; its keys to ask again
         if entries is None:
-            located = self._master(P.LocateRequest(keys), deadline)
+            early = self._lease_early(keys, sizes)
+            mch = self._channel(self.config.master)
+            locate_rid = mch.send(P.LocateRequest(keys, self._after()))
+            try:
+                if early is not None:
+                    asked, left, again = self._read_early(early, keys, ptrs, sizes, deadline, result)
+                    if not left:
+                        mch.forget([locate_rid])
+                        self.counters["lease_early"] += 1
+                        return result
+                located = P.raise_if_error(mch.recv(locate_rid, deadline)[0])
+            except Exception:
+                mch.forget([locate_rid])
+                raise
             self._learn(located.nodes)
             entries = located.located()
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, entry in enumerate(entries):
-            if entry and entry[1] == sizes[i]:
+            if entry and entry[1] == sizes[i] and (entry[0] != asked or i in again):
                 by_node[entry[0]].append(i)
-        result = [False] * len(keys)
+        if asked is None:
+            self._reader = next(iter(by_node)) if len(by_node) == 1 else None
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
             ok = self.transport_for(node).read(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
@@ -325,6 +367,40 @@ class StoreClient:
             for i, good in zip(idx, ok):
                 result[i] = good
         return result
+
+    # A get without locations from an Exists asks the master where the keys are (Locate) and
+    # then leases them from their node. When one node held all keys of this client's last get
+    # (or took its last put), the Lease goes to it together with the Locate, and the objects
+    # it holds are read before the master answers: a single round trip when it holds them all
+    # (the Locate's answer is then not awaited). The node is the truth about what it holds.
+
+    def _lease_early(self, keys, sizes) -> Optional[tuple]:
+        """(node, transport, request id) of a Lease sent to the likely node, or None."""
+        node_id = self._reader or self._writer
+        node = self._nodes.get(node_id) if node_id else None
+        if node is None or sum(sizes) > ROUND_BYTES:
+            return None
+        transport = self.transport_for(node)
+        if not isinstance(transport, LeasedTransport) or (transport is self.tcp and not node.data_address):
+            return None
+        return node, transport, transport.lease(node, keys)
+
+    def _read_early(self, early, keys, ptrs, sizes, deadline, result) -> tuple:
+        """Read what the early Lease got: (the node's id, or None when it did not answer in
+        time; the key indices it did not serve; of those, the ones it holds only on SSD)."""
+        node, transport, rid = early
+        ch = self._channel(node.address)
+        try:
+            reply = P.raise_if_error(ch.recv(rid, min(deadline, time.monotonic() + EARLY_GRACE_S))[0])
+        except HicacheError:    # unanswered leases lapse on the node
+            ch.forget([rid])
+            return None, range(len(keys)), set()
+        if not transport.same_segment(node, reply, keys):
+            return None, range(len(keys)), set()
+        done, streamed = transport.read_leased(node, range(len(keys)), keys, ptrs, sizes, reply,
+                                               deadline, result)
+        done = set(done)
+        return node.node_id, [i for i in range(len(keys)) if i not in done], set(streamed)
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Store each object from ``ptrs[i]``; True once visible to every client (or already stored)."""
@@ -494,7 +570,7 @@ class StoreClient:
     def get(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None on a miss."""
         def locate():
-            entry = self._master(P.LocateRequest([key]), self._deadline()).located()[0]
+            entry = self._master(P.LocateRequest([key], self._after()), self._deadline()).located()[0]
             return entry[1] if entry else -1
         size = self._guard(locate, -1)
         if size < 0:

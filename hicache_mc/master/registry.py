@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..protocol import NodeInfo
+from ..protocol import NodeInfo, segment_of
 
 
 @dataclass
@@ -16,9 +16,11 @@ class NodeState:
     stats: dict = field(default_factory=dict)
     planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
     record: dict = field(default_factory=dict)   # info.to_dict(), built once: replies carry it
+    seq: int = 0            # the node's last Committed sequence number applied (fences)
 
     def __post_init__(self):
         self.record = self.info.to_dict()
+        self.segment = segment_of(self.info)
 
     @property
     def free(self) -> int:

@@ -12,6 +12,7 @@ import uuid
 
 from .. import protocol as P
 from ..config import MasterConfig
+from ..errors import ProtocolError
 from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
@@ -20,6 +21,8 @@ from .registry import NodeRegistry
 log = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1000   # per-namespace counters kept; the rest are summed under "(other)"
+FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its fence names
+MAX_PARKED = 10000      # lookups waiting on fences; beyond this they are answered at once
 
 
 class MasterService(Service):
@@ -34,10 +37,12 @@ class MasterService(Service):
         self.registry = NodeRegistry(config.heartbeat_interval_s, config.liveness)
         self.counters = {"exists_calls": 0, "locate_calls": 0, "place_calls": 0,
                          "hits": 0, "misses": 0, "placed": 0, "deduplicated": 0,
-                         "committed": 0, "evicted": 0, "nodes_expired": 0}
+                         "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0}
         self._next_expiry = 0.0
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
+        # lookups whose fence is ahead of the master: (give up at, handler, msg, ident, req_id)
+        self._parked: list[tuple] = []
         self.enable_metrics(config.metrics_host, config.metrics_port)
         if config.direct_port >= 0:
             self.enable_direct(config.host, config.direct_port)
@@ -45,6 +50,13 @@ class MasterService(Service):
     # -------------------------------------------------------------- timers
 
     def tick(self, now: float) -> None:
+        if self._parked and self._parked[0][0] <= now:
+            late = [p for p in self._parked if p[0] <= now]
+            self._parked = [p for p in self._parked if p[0] > now]
+            log.warning("%d lookups waited %.1fs for commits the master has not seen; answered "
+                        "without them", len(late), FENCE_WAIT_S)
+            for _, handler, msg, ident, req_id in late:
+                self._answer(handler, msg, ident, req_id)
         if now < self._next_expiry:
             return
         self._next_expiry = now + self.config.heartbeat_interval_s / 2
@@ -53,10 +65,51 @@ class MasterService(Service):
             self.counters["nodes_expired"] += 1
             log.warning("node %s missed its heartbeats; dropped it and its %d keys",
                         st.info.node_id, dropped)
+            if self._parked:
+                self._unpark()      # fences on a node that is gone hold no more
+
+    # -------------------------------------------------------------- fences
+
+    def _behind(self, after: dict) -> bool:
+        """Whether a fence names a commit of a live node (same segment) not applied yet."""
+        for node_id, mark in after.items():
+            if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], str)
+                    and isinstance(mark[1], int) and not isinstance(mark[1], bool)):
+                raise ProtocolError(f"after[{node_id!r}]: expected [segment id, seq], got {mark!r}")
+            st = self.registry.nodes.get(node_id)
+            if st is not None and st.segment == mark[0] and st.seq < mark[1]:
+                return True
+        return False
+
+    def _park(self, handler, msg, ident, req_id) -> bool:
+        """Hold a lookup whose fence is ahead (True); it is answered when the commits arrive."""
+        if not msg.after or not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
+            return False
+        self._parked.append((time.monotonic() + FENCE_WAIT_S, handler, msg, ident, req_id))
+        self.counters["fence_waits"] += 1
+        return True
+
+    def _answer(self, handler, msg, ident, req_id) -> None:
+        try:
+            reply, _ = handler(msg, None, ident, req_id, fenced=True)
+        except Exception as exc:
+            log.exception("master: a parked lookup failed")
+            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+        self.reply(ident, req_id, reply)
+
+    def _unpark(self) -> None:
+        """Answer the parked lookups whose fences the commits just applied satisfy."""
+        ready = [p for p in self._parked if not self._behind(p[2].after)]
+        if ready:
+            self._parked = [p for p in self._parked if self._behind(p[2].after)]
+            for _, handler, msg, ident, req_id in ready:
+                self._answer(handler, msg, ident, req_id)
 
     # -------------------------------------------------------------- clients
 
-    def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id):
+    def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id, fenced=False):
+        if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
+            return None
         self.counters["exists_calls"] += 1
         found, where = self._locate(msg.keys, stop_at_miss=True)
         # the probe's run is what a get will read (it skips Locate): count it like Locate does
@@ -91,12 +144,16 @@ class MasterService(Service):
         nodes = {n: self.registry.nodes[n].record for n in held_by}
         return found, [held_by, holders, sizes, nodes]
 
-    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id):
+    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id, fenced=False):
+        if not fenced and self._park(self.on_ContainsRequest, msg, ident, req_id):
+            return None
         self.counters["exists_calls"] += 1
         live = self.registry.live_slots()
         return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys]), None
 
-    def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id):
+    def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id, fenced=False):
+        if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
+            return None
         self.counters["locate_calls"] += 1
         found, where = self._locate(msg.keys, stop_at_miss=False)
         self.counters["hits"] += found
@@ -171,6 +228,8 @@ class MasterService(Service):
             # a restarted node: whatever it held before is gone unless its inventory says so
             self.index.drop_slot(slot)
         self.registry.upsert(info, slot)
+        if self._parked:
+            self._unpark()          # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
         return P.RegisterReply(self.epoch), None
 
@@ -208,6 +267,10 @@ class MasterService(Service):
         self.index.add_many(msg.keys, st.slot, msg.sizes, msg.checksums)
         st.last_seen = time.monotonic()
         self.counters["committed"] += len(msg.keys)
+        if msg.seq > st.seq:
+            st.seq = msg.seq
+            if self._parked:
+                self._unpark()
         return P.OkReply(), None
 
     def on_EvictedRequest(self, msg: P.EvictedRequest, payload, ident, req_id):

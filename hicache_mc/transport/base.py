@@ -137,8 +137,15 @@ def address_of(buf) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
 
 
+def _ignore_commit(node: NodeInfo, seq: int) -> None:
+    pass
+
+
 class Transport(ABC):
     name = "base"
+    # called with each commit reply's node and sequence number (the client fences its
+    # lookups with them: read-your-writes; see protocol.py)
+    committed: Callable[[NodeInfo, int], None] = staticmethod(_ignore_commit)
 
     @abstractmethod
     def read(self, node: NodeInfo, keys: list[str], ptrs: list[int], sizes: list[int],
@@ -214,10 +221,20 @@ class LeasedTransport(Transport):
 
     def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
         ch = self.channel_for(node.address)
-        reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest([keys[i] for i in idx])), deadline)[0])
+        reply = P.raise_if_error(ch.recv(self.lease(node, [keys[i] for i in idx]), deadline)[0])
         if not self.same_segment(node, reply, keys, idx):
             return []       # misses
-        todo, sums, offs, streamed = [], [], [], []
+        return self.read_leased(node, idx, keys, ptrs, sizes, reply, deadline, out)[1]
+
+    def lease(self, node, keys: list[str]) -> int:
+        """Send ``LeaseRequest`` without waiting; the request id to receive the reply with."""
+        return self.channel_for(node.address).send(P.LeaseRequest(keys))
+
+    def read_leased(self, node, idx, keys, ptrs, sizes, reply, deadline, out) -> tuple[list[int], list[int]]:
+        """Read objects ``idx`` under the Lease ``reply`` (its entries in ``idx`` order) into
+        ``out``: (the indices it read, hit or not; those the node holds only on SSD, for
+        ``stream``). Leases on objects of another size than asked are given back unread."""
+        todo, sums, offs, streamed, spare = [], [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
             if off == P.LEASE_STREAM:
                 streamed.append(i)
@@ -225,19 +242,23 @@ class LeasedTransport(Transport):
                 todo.append(i)
                 offs.append(off)
                 sums.append(expected)
+            elif off >= 0:
+                spare.append((keys[i], off))
+        if spare:
+            self.cancel(node, [k for k, _ in spare], [off for _, off in spare])
         if todo:
             got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
                              min(deadline, reply.deadline))
             # done with the slots: the node may reuse them now (the reply is not awaited). A
             # failed fetch releases nothing: a transfer it abandoned may still be running.
-            ch.forget([ch.send(P.ReleaseRequest([keys[i] for i in todo], offs))])
+            self.cancel(node, [keys[i] for i in todo], offs)
             if time.monotonic() > reply.deadline:
                 log.warning("%s read of %d objects outlived its lease; treated as misses",
                             self.name, len(todo))
-                return streamed
+                return todo, streamed
             for i, expected, actual in zip(todo, sums, got):
                 out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
-        return streamed
+        return todo, streamed
 
     def write(self, node, keys, ptrs, sizes, deadline):
         out = [False] * len(keys)
@@ -303,8 +324,9 @@ class LeasedTransport(Transport):
                         self.name, len(idx))
             return
         ch = self.channel_for(node.address)
-        reply = ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums)), deadline)[0]
-        for i, ok in zip(idx, P.raise_if_error(reply).ok):
+        reply = P.raise_if_error(ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums)), deadline)[0])
+        self.committed(node, reply.seq)
+        for i, ok in zip(idx, reply.ok):
             out[i] = ok
 
     def cancel(self, node, keys: list[str], offsets: list[int]) -> None:

@@ -103,8 +103,9 @@ class FramesTransport(Transport):
                                                    hash_many(sub_ptrs, sub_sizes)), payload))
             out = [False] * len(keys)
             for idx, rid in zip(parts, rids):
-                reply, _ = ch.recv(rid, deadline)
-                for i, ok in zip(idx, P.raise_if_error(reply).ok):
+                reply = P.raise_if_error(ch.recv(rid, deadline)[0])
+                self.committed(node, reply.seq)
+                for i, ok in zip(idx, reply.ok):
                     out[i] = ok
             return out
         finally:
