@@ -51,7 +51,16 @@ class Message:
 
 
 # element types whose lists are checked in one C-level pass (msgpack yields exact types)
-_EXACT = {str: {str}, int: {int}, bool: {bool}, list: {list}, dict: {dict}, float: {int, float}}
+_EXACT = {str: {str}, int: {int}, bool: {bool}, list: {list}, dict: {dict}, float: {int, float},
+          type(None): {type(None)}}
+
+
+def _exact(item: Any) -> Optional[set]:
+    """The exact element types a list of ``item`` may hold (Optional[str] too), or None."""
+    if typing.get_origin(item) is typing.Union:
+        parts = [_EXACT.get(h) for h in typing.get_args(item)]
+        return None if None in parts else set().union(*parts)
+    return _EXACT.get(item)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +78,7 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
         (item,) = typing.get_args(hint) or (Any,)
         if item is Any:
             return lambda v: isinstance(v, list)
-        allowed = _EXACT.get(item)
+        allowed = _exact(item)
         if allowed is not None:
             return lambda v: isinstance(v, list) and (not v or set(map(type, v)) <= allowed)
         inner = _checker(item)

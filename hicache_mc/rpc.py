@@ -115,12 +115,10 @@ def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
 class DirectConnection:
     """One peer on a service's direct port; owned by the service loop (non-blocking)."""
 
-    def __init__(self, sock: socket.socket, service: "Service",
-                 on_close: Optional[Callable[["DirectConnection"], None]] = None):
+    def __init__(self, sock: socket.socket, service: "Service"):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.service = sock, service
-        self.on_close = on_close            # default: the service forgets the peer
         self.fd = sock.fileno()
         self.inbuf = bytearray()
         self.out: list[memoryview] = []     # bytes the kernel would not take yet
@@ -194,10 +192,7 @@ class DirectConnection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.on_close is not None:
-                self.on_close(self)
-            else:
-                self.service._drop_connection(self)
+            self.service._drop_connection(self)
             self.sock.close()
 
 
@@ -309,17 +304,6 @@ class Service:
         """Poll another socket or file descriptor in the same loop (the node's channel to
         the master, the SSD writer's wake-up pipe)."""
         self._extra.append((sock, on_readable))
-
-    def watch(self, sock, on_readable: Callable[[], None]) -> None:
-        """``add_socket`` while the loop runs (a connection the service opened itself)."""
-        self._extra.append((sock, on_readable))
-        if self._poller is not None:
-            self._poller.register(sock, zmq.POLLIN)
-
-    def unwatch(self, sock) -> None:
-        self._extra = [(s, h) for s, h in self._extra if s != sock]
-        if self._poller is not None:
-            self._poller.unregister(sock)
 
     def tick(self, now: float) -> None:
         """Called every loop turn; timers live here."""

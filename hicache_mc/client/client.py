@@ -113,7 +113,7 @@ class StoreClient:
         self._direct: dict[str, str] = {}     # service address -> its direct port (host:port)
         self._next_hello = 0.0                # when to ask the master for its direct port (again)
         self._writer: Optional[str] = None    # the node on this host the last put went to
-        self._reader: Optional[str] = None    # the node that held every key of the last get
+        self._reader: Optional[str] = None    # the node that held every key of the last get or put
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -339,19 +339,13 @@ class StoreClient:
         asked, again = None, set()      # the node an early Lease asked; its keys to ask again
         if entries is None:
             early = self._lease_early(keys, sizes)
-            mch = self._channel(self.config.master)
-            locate_rid = mch.send(P.LocateRequest(keys, self._after()))
-            try:
-                if early is not None:
-                    asked, left, again = self._read_early(early, keys, ptrs, sizes, deadline, result)
-                    if not left:
-                        mch.forget([locate_rid])
-                        self.counters["lease_early"] += 1
-                        return result
-                located = P.raise_if_error(mch.recv(locate_rid, deadline)[0])
-            except Exception:
-                mch.forget([locate_rid])
-                raise
+            if early is not None:
+                asked, left, again = self._read_early(early, keys, ptrs, sizes, deadline, result)
+                if not left:
+                    self.counters["lease_early"] += 1
+                    return result
+                self._reader = None     # it did not hold them all: ask the master first next time
+            located = self._master(P.LocateRequest(keys, self._after()), deadline)
             self._learn(located.nodes)
             entries = located.located()
         by_node: dict[str, list[int]] = defaultdict(list)
@@ -369,15 +363,14 @@ class StoreClient:
         return result
 
     # A get without locations from an Exists asks the master where the keys are (Locate) and
-    # then leases them from their node. When one node held all keys of this client's last get
-    # (or took its last put), the Lease goes to it together with the Locate, and the objects
-    # it holds are read before the master answers: a single round trip when it holds them all
-    # (the Locate's answer is then not awaited). The node is the truth about what it holds.
+    # then leases them from their node: two round trips. When one node held every key of this
+    # client's last get (or took its last put), the Lease goes to that node first: a single
+    # round trip when it holds them all (the node is the truth about what it holds). Keys it
+    # does not hold are then located as usual, and the next get asks the master first.
 
     def _lease_early(self, keys, sizes) -> Optional[tuple]:
         """(node, transport, request id) of a Lease sent to the likely node, or None."""
-        node_id = self._reader or self._writer
-        node = self._nodes.get(node_id) if node_id else None
+        node = self._nodes.get(self._reader) if self._reader else None
         if node is None or sum(sizes) > ROUND_BYTES:
             return None
         transport = self.transport_for(node)
@@ -458,6 +451,7 @@ class StoreClient:
         if len(by_node) == 1:
             node = self._nodes.get(next(iter(by_node)))
             self._writer = node.node_id if node is not None and node.host == self.host else None
+            self._reader = node.node_id if node is not None else None
         elif by_node:
             self._writer = None
 
@@ -638,6 +632,9 @@ def _check_batch(keys, ptrs, sizes):
     keys, ptrs, sizes = _check_keys(keys), list(ptrs), list(sizes)
     if not len(keys) == len(ptrs) == len(sizes):
         raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers and {len(sizes)} sizes: lengths differ")
+    if (set(map(type, ptrs)) | set(map(type, sizes))) <= {int} and (not sizes or min(sizes) >= 0) \
+            and (not ptrs or min(ptrs) > 0):
+        return keys, ptrs, sizes        # the usual batch, checked in C
     for p, s in zip(ptrs, sizes):
         if not isinstance(p, (int, np.integer)) or not isinstance(s, (int, np.integer)) or s < 0 or (p == 0 and s > 0):
             raise ValueError(f"bad pointer/size pair ({p!r}, {s!r})")

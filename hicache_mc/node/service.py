@@ -9,19 +9,12 @@ message the node sent before answering. A node whose messages to the master are 
 registers again with its whole inventory, so nothing it acknowledged stays unknown to the
 master. Evictions travel on the same connection after the commits they follow, so the master
 applies both in the node's order.
-
-The node registers over a ZeroMQ DEALER. Once registered, it asks the master for its direct
-port (``Hello``) and, when nothing sent on the DEALER is still unanswered, moves to it: every
-commit's acknowledgement is then one plain TCP round trip instead of four ZeroMQ I/O-thread
-hand-offs. A direct connection that breaks sends the node back to the DEALER and makes it
-register again with its whole inventory, so nothing sent on the lost connection stays unknown.
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
-import socket
 import time
 import uuid
 from typing import Optional
@@ -31,7 +24,7 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import CONNECT_TIMEOUT_S, DIRECT_RETRY_S, DirectConnection, Service, host_of
+from ..rpc import Service
 from ..transport.shm import host_identity
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
@@ -111,10 +104,6 @@ class StorageNode(Service):
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)
         self.add_socket(self.master, self._on_master_reply)
-        self._dealer_waiting: set[int] = set()  # requests sent on the DEALER, not yet answered
-        self._master_direct = ""                # host:port of the master's direct port
-        self._mconn: Optional[DirectConnection] = None
-        self._next_direct = 0.0                 # when to try the master's direct port (again)
         self._req = 0
         self._seq = 0                           # Committed messages sent (see the docstring)
         # req_id -> (deadline, client ident, client req id, reply, reply if the master refuses)
@@ -171,12 +160,7 @@ class StorageNode(Service):
         """Send to the master; ``waiter`` = (ident, req_id, reply, failure reply) answers a
         client once the master acknowledges."""
         self._req += 1
-        frames = P.encode(msg, self._req, self.config.token)
-        if self._mconn is not None:
-            self._mconn.send(frames)
-        else:
-            self.master.send_multipart(frames)
-            self._dealer_waiting.add(self._req)
+        self.master.send_multipart(P.encode(msg, self._req, self.config.token))
         if waiter is not None:
             self._pending[self._req] = (time.monotonic() + MASTER_TIMEOUT_S, *waiter)
 
@@ -184,8 +168,6 @@ class StorageNode(Service):
         """Announce this node and its whole inventory (the master may be new)."""
         self._next_register = now + self.config.heartbeat_interval_s
         self._to_master(P.RegisterRequest(self.info.to_dict()))
-        if self._mconn is None:
-            self._to_master(P.HelloRequest())     # where the master's direct port is
         items = self.store.inventory()
         for i in range(0, len(items), INVENTORY_CHUNK):
             chunk = items[i: i + INVENTORY_CHUNK]
@@ -196,65 +178,14 @@ class StorageNode(Service):
         log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
 
     def _on_master_reply(self) -> None:
-        """A reply on the DEALER."""
-        self._on_master_frames(self.master.recv_multipart(copy=False), dealer=True)
-
-    def _on_master_direct(self) -> None:
-        """The direct connection to the master is readable (or writable again)."""
-        conn = self._mconn
-        if conn is None:
-            return
-        if conn.out:
-            conn.flush()
-        for frames in conn.read():
-            self._on_master_frames(frames, dealer=False)
-
-    def _connect_master_direct(self, now: float) -> None:
-        host, _, port = self._master_direct.rpartition(":")
-        try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            self._next_direct = now + DIRECT_RETRY_S
-            log.warning("master's direct port %s: %s; staying on ZeroMQ for %.0fs",
-                        self._master_direct, exc, DIRECT_RETRY_S)
-            return
-        self._mconn = DirectConnection(sock, self, on_close=self._master_direct_closed)
-        self.watch(self._mconn.fd, self._on_master_direct)
-        log.info("talking to the master through its direct port %s", self._master_direct)
-
-    def _master_direct_closed(self, conn: DirectConnection) -> None:
-        """The direct connection broke (the master restarted, or dropped it): back to the
-        DEALER, failing what waited on it and registering again (what was on the wire is lost)."""
-        self.unwatch(conn.fd)
-        if self._mconn is not conn:
-            return
-        self._mconn = None
-        self._next_direct = time.monotonic() + 1.0
-        if self.stopping.is_set():
-            return
-        log.warning("direct connection to the master closed; registering again over ZeroMQ")
-        for req_id in list(self._pending):
-            _, ident, client_req, _, failed = self._pending.pop(req_id)
-            self.reply(ident, client_req, failed)
-        self.epoch = None
-        self._next_register = 0.0
-
-    def _on_master_frames(self, frames: list, dealer: bool) -> None:
+        frames = self.master.recv_multipart(copy=False)
         try:
             msg, req_id, _, _ = P.decode(frames)
         except Exception as exc:
             log.warning("bad frame from the master: %s", exc)
             return
-        if dealer:
-            self._dealer_waiting.discard(req_id)
         self._last_master_reply = time.monotonic()
-        if isinstance(msg, P.HelloReply):
-            if msg.direct_address:      # the port the master reports, on the host we reach it by
-                host, port = host_of(self.config.master), msg.direct_address.rpartition(":")[2]
-                self._master_direct = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            else:
-                self._master_direct = ""
-        elif isinstance(msg, P.RegisterReply):
+        if isinstance(msg, P.RegisterReply):
             self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
             self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
@@ -279,14 +210,8 @@ class StorageNode(Service):
                 # Lazy Pirate: a silent master may have restarted; drop queued frames, reconnect
                 self.master.disconnect(self.config.master)
                 self.master.connect(self.config.master)
-                self._dealer_waiting.clear()
                 self._last_master_reply = now
-                if self._mconn is not None:
-                    self._mconn.close()         # back to the DEALER, registering again
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
-        if (self._master_direct and self._mconn is None and self.epoch is not None
-                and not self._dealer_waiting and now >= self._next_direct):
-            self._connect_master_direct(now)    # nothing on the DEALER can overtake it now
         self.store.maintain(now)
         if self.dram.dropped:
             self._to_master(P.EvictedRequest(self.node_id, self.store.drain_dropped()))
@@ -439,8 +364,6 @@ class StorageNode(Service):
         return P.StatsReply({"node_id": self.node_id, **self.stats()}), None
 
     def close(self) -> None:
-        if self._mconn is not None:
-            self._mconn.close()
         super().close()
         self.streams.close()    # before the segment is unmapped: its threads copy into it
         if self.te is not None:
