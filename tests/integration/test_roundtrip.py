@@ -2,6 +2,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -33,13 +34,25 @@ def test_round_trip_sizes(store, transport):
         assert c.get(f"rt-{transport}/absent") is None
 
 
+def eventually(fn, timeout_s: float = 2.0):
+    """``fn()`` once it is truthy. A put is visible to its writer at once (fences) and to other
+    clients as soon as the master has the node's Committed message, which the node sends
+    before answering the writer: usually already, under load a moment later."""
+    end = time.monotonic() + timeout_s
+    while True:
+        got = fn()
+        if got or time.monotonic() > end:
+            return got
+        time.sleep(0.01)
+
+
 def test_transports_read_each_others_writes(store):
     with StoreClient(store.master, transport="shm") as shm, StoreClient(store.master, transport="tcp") as tcp:
         a = payload("x/1", 300_000)
         assert shm.put("x/1", a)
-        assert tcp.get("x/1") == a.tobytes()
+        assert eventually(lambda: tcp.get("x/1")) == a.tobytes()
         assert tcp.put("x/2", a[:1000])
-        assert shm.get("x/2") == a[:1000].tobytes()
+        assert eventually(lambda: shm.get("x/2")) == a[:1000].tobytes()
 
 
 def test_exists_counts_leading_run(store):

@@ -1,0 +1,82 @@
+"""How soon another client sees a put.
+
+A node answers a commit once it has sent ``Committed`` to the master, without waiting for the
+master's acknowledgement; the writer's own next lookups are fenced by the commit's sequence
+number (always visible to it). This measures the rest: client A puts one object, client B asks
+the master for it right after A's put returned. Reported: how many of B's lookups missed, and
+how long B then waited until the key showed, idle and with ``--hogs`` busy processes competing
+for the CPUs. A's own lookups are counted too: they must never miss.
+
+    .venv/bin/python benchmarks/bench_visibility.py [--puts 500] [--hogs 2]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import pct, store_process, table, write_json  # noqa: E402
+
+from hicache_mc.client import StoreClient  # noqa: E402
+
+
+def _burn(stop) -> None:
+    while not stop.is_set():
+        sum(range(10000))
+
+
+def run(master: str, puts: int, hogs: int) -> dict:
+    stop = mp.Event()
+    procs = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(hogs)]
+    for p in procs:
+        p.start()
+    try:
+        with StoreClient(master) as a, StoreClient(master) as b:
+            a.put("vis/warm", b"x")
+            b.exists("vis/warm")
+            own_misses, misses, waits = 0, 0, []
+            for i in range(puts):
+                key = f"vis/{hogs}/{i}"
+                assert a.put(key, b"y" * 4096)
+                if not b.exists(key):
+                    misses += 1
+                    t0 = time.perf_counter()
+                    while not b.exists(key):
+                        if time.perf_counter() - t0 > 2:
+                            raise RuntimeError(f"{key} not visible to another client after 2 s")
+                    waits.append(time.perf_counter() - t0)
+                if not a.exists(key):
+                    own_misses += 1
+            a.clear("vis/")
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(5)
+    return {"hogs": hogs, "puts": puts, "other_client_missed": misses,
+            "other_client_missed_pct": 100.0 * misses / puts,
+            "wait_p50_ms": pct(waits, 50) * 1e3 if waits else 0.0,
+            "wait_max_ms": max(waits) * 1e3 if waits else 0.0,
+            "writer_missed": own_misses}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--puts", type=int, default=500)
+    ap.add_argument("--hogs", type=int, default=2, help="busy processes in the loaded run")
+    args = ap.parse_args()
+    t0 = time.time()
+    with store_process("512MiB") as master:
+        rows = [run(master, args.puts, 0), run(master, args.puts, args.hogs)]
+    print(table(rows, [("hogs", "d"), ("puts", "d"), ("other_client_missed", "d"),
+                       ("other_client_missed_pct", ".1f"), ("wait_p50_ms", ".3f"),
+                       ("wait_max_ms", ".3f"), ("writer_missed", "d")]))
+    path = write_json("bench_visibility.json", {"args": vars(args), "rows": rows,
+                                                "seconds": round(time.time() - t0, 1)})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
