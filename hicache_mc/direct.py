@@ -4,7 +4,7 @@ Primitives (``KVDirect``):
 
 - ``save(page_hashes, page_ids)``: pack the device pages into a staging buffer with the Triton
   kernel (``hicache_mc.kernels``), then ``batch_put_from`` each page part under the SGLang
-  adapter's keys; True per page once every part is stored (visible to every client).
+  adapter's keys; True per page once every part is stored (see ``StoreClient.batch_put_from``).
 - ``load(page_hashes, page_ids)``: ``batch_exists`` for the leading run of stored pages,
   ``batch_get_into`` the staging buffer, unpack into the device pages; returns how many
   leading pages were loaded (SGLang's prefix semantics: a hole ends the run).

@@ -346,6 +346,10 @@ class ReserveReply(Message):
 class CommitRequest(Message):
     keys: list[str]
     checksums: list[int]
+    # the slot each key was reserved at: a commit that outlived its reservation, while another
+    # writer reserved the same key elsewhere, commits nothing (it would commit the other
+    # writer's slot, unwritten or half-written)
+    offsets: list[int]
 
 
 @message

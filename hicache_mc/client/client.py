@@ -368,15 +368,21 @@ class StoreClient:
     # round trip when it holds them all (the node is the truth about what it holds). Keys it
     # does not hold are then located as usual, and the next get asks the master first.
 
-    def _lease_early(self, keys, sizes) -> Optional[tuple]:
-        """(node, transport, request id) of a Lease sent to the likely node, or None."""
-        node = self._nodes.get(self._reader) if self._reader else None
+    def _early(self, node_id: Optional[str], sizes) -> Optional[tuple]:
+        """(node, its leased transport) for a Lease or Reserve sent before the master is
+        asked; None when there is no such node or the batch needs more than one round."""
+        node = self._nodes.get(node_id) if node_id else None
         if node is None or sum(sizes) > ROUND_BYTES:
             return None
         transport = self.transport_for(node)
         if not isinstance(transport, LeasedTransport) or (transport is self.tcp and not node.data_address):
             return None
-        return node, transport, transport.lease(node, keys)
+        return node, transport
+
+    def _lease_early(self, keys, sizes) -> Optional[tuple]:
+        """(node, transport, request id) of a Lease sent to the likely node, or None."""
+        early = self._early(self._reader, sizes)
+        return None if early is None else (*early, early[1].lease(early[0], keys))
 
     def _read_early(self, early, keys, ptrs, sizes, deadline, result) -> tuple:
         """Read what the early Lease got: (the node's id, or None when it did not answer in
@@ -396,7 +402,9 @@ class StoreClient:
         return node.node_id, [i for i in range(len(keys)) if i not in done], set(streamed)
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Store each object from ``ptrs[i]``; True once visible to every client (or already stored)."""
+        """Store each object from ``ptrs[i]``; True once stored (or stored already). A stored
+        object is visible to this client's next lookup at once, to other clients as soon as
+        the master has the node's report of it (sent before the node answers)."""
         keys, ptrs, sizes = _check_batch(keys, ptrs, sizes)
         n = len(keys)
         result = self._guard(lambda: self._put(keys, ptrs, sizes), [False] * n)
@@ -456,14 +464,11 @@ class StoreClient:
             self._writer = None
 
     def _reserve_early(self, keys, sizes) -> Optional["EarlyPut"]:
-        """A Reserve sent to the node the last put went to, or None when there is no such
-        node or the batch needs more than one round."""
-        node = self._nodes.get(self._writer) if self._writer else None
-        if node is None or sum(sizes) > ROUND_BYTES:
+        """A Reserve sent to the node the last put went to, or None (see ``_early``)."""
+        early = self._early(self._writer, sizes)
+        if early is None:
             return None
-        transport = self.transport_for(node)
-        if not isinstance(transport, LeasedTransport) or (transport is self.tcp and not node.data_address):
-            return None
+        node, transport = early
         rid = transport.reserve(node, keys, sizes, evict=False)
         return EarlyPut(node, transport, self._channel(node.address), rid)
 
@@ -548,7 +553,8 @@ class StoreClient:
             transport.cancel(node, [keys[i] for i in copied], [offsets[i] for i in copied])
             raise
         if copied or rest:
-            transport.commit(node, copied + rest, keys, sums, reply.deadline, deadline, result)
+            transport.commit(node, copied + rest, keys, sums, [offsets[i] for i in copied + rest],
+                             reply.deadline, deadline, result)
             self.counters["bytes_written"] += sum(sizes[i] for i in copied + rest if result[i])
 
     # -------------------------------------------------------------- single-key API

@@ -71,19 +71,22 @@ class MasterService(Service):
     # -------------------------------------------------------------- fences
 
     def _behind(self, after: dict) -> bool:
-        """Whether a fence names a commit of a live node (same segment) not applied yet."""
-        for node_id, mark in after.items():
-            if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], str)
-                    and isinstance(mark[1], int) and not isinstance(mark[1], bool)):
-                raise ProtocolError(f"after[{node_id!r}]: expected [segment id, seq], got {mark!r}")
+        """Whether a (checked) fence names a commit of a live node (same segment) not applied yet."""
+        for node_id, (segment, seq) in after.items():
             st = self.registry.nodes.get(node_id)
-            if st is not None and st.segment == mark[0] and st.seq < mark[1]:
+            if st is not None and st.segment == segment and st.seq < seq:
                 return True
         return False
 
     def _park(self, handler, msg, ident, req_id) -> bool:
         """Hold a lookup whose fence is ahead (True); it is answered when the commits arrive."""
-        if not msg.after or not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
+        if not msg.after:
+            return False
+        for node_id, mark in msg.after.items():
+            if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], str)
+                    and isinstance(mark[1], int) and not isinstance(mark[1], bool)):
+                raise ProtocolError(f"after[{node_id!r}]: expected [segment id, seq], got {mark!r}")
+        if not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
             return False
         self._parked.append((time.monotonic() + FENCE_WAIT_S, handler, msg, ident, req_id))
         self.counters["fence_waits"] += 1

@@ -292,10 +292,11 @@ class StorageNode(Service):
         return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8, self.segment_id), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
-        if len(msg.keys) != len(msg.checksums):
-            return P.ErrorReply("bad_request", "Commit: keys and checksums differ in length"), None
+        if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
+            return P.ErrorReply("bad_request", "Commit: keys, checksums and offsets differ in length"), None
         pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
-        for i, (key, obj) in enumerate(zip(msg.keys, self.store.commit_many(msg.keys, msg.checksums))):
+        committed = self.store.commit_many(msg.keys, msg.checksums, msg.offsets)
+        for i, (key, obj) in enumerate(zip(msg.keys, committed)):
             if obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
         self.counters["bytes_in"] += sum(pw.sizes)

@@ -180,20 +180,23 @@ class TieredStore:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s, evict)
         return out
 
-    def commit(self, key: str, checksum: int) -> bool:
+    def commit(self, key: str, checksum: int, offset: Optional[int] = None) -> bool:
         """Make a reserved slot a readable object (the shm/TE write path)."""
-        return self.commit_many([key], [checksum])[0] is not None
+        return self.commit_many([key], [checksum], None if offset is None else [offset])[0] is not None
 
-    def commit_many(self, keys: list[str], checksums: list[int]) -> list[Optional[Obj]]:
-        """``commit`` for a batch: the committed object per key (None: nothing reserved)."""
+    def commit_many(self, keys: list[str], checksums: list[int],
+                    offsets: Optional[list[int]] = None) -> list[Optional[Obj]]:
+        """``commit`` for a batch: the committed object per key (None: nothing reserved, or,
+        with ``offsets``, reserved at another offset: another writer's slot)."""
         out = []
         usage, tenants = self.usage, {}
         reserved, objects = self.dram.reserved, self.dram.objects
-        for key, checksum in zip(keys, checksums):
-            entry = reserved.pop(key, None)
-            if entry is None:
+        for i, (key, checksum) in enumerate(zip(keys, checksums)):
+            entry = reserved.get(key)
+            if entry is None or (offsets is not None and entry[0].offset != offsets[i]):
                 out.append(None)
                 continue
+            del reserved[key]
             obj = entry[0]
             obj.checksum = checksum
             objects[key] = obj

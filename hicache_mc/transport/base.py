@@ -304,7 +304,7 @@ class LeasedTransport(Transport):
                 offs.append(off)
         if todo:
             sums = self.store_slots(node, todo, keys, ptrs, sizes, offs, min(deadline, until))
-            self.commit(node, todo, keys, sums, until, deadline, out)
+            self.commit(node, todo, keys, sums, offs, until, deadline, out)
 
     def store_slots(self, node, idx, keys, ptrs, sizes, offsets, until: float) -> list[int]:
         """``store`` objects ``idx`` into their reserved ``offsets``; on a failure the slots
@@ -316,15 +316,16 @@ class LeasedTransport(Transport):
             self.cancel(node, [keys[i] for i in idx], offsets)
             raise
 
-    def commit(self, node, idx, keys, sums, until: float, deadline: float, out) -> None:
-        """Commit objects ``idx``, stored with checksums ``sums`` under a reservation valid
-        until ``until``; ``out[i]`` is True for each the node (and so the master) now has."""
+    def commit(self, node, idx, keys, sums, offsets, until: float, deadline: float, out) -> None:
+        """Commit objects ``idx``, stored with checksums ``sums`` into the slots at ``offsets``
+        reserved until ``until``; ``out[i]`` is True for each the node now has."""
         if time.monotonic() > until:
             log.warning("%s write outlived its reservation; not committing %d objects",
                         self.name, len(idx))
             return
         ch = self.channel_for(node.address)
-        reply = P.raise_if_error(ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums)), deadline)[0])
+        reply = P.raise_if_error(ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums, offsets)),
+                                         deadline)[0])
         self.committed(node, reply.seq)
         for i, ok in zip(idx, reply.ok):
             out[i] = ok

@@ -62,7 +62,12 @@ def test_fences_on_another_segment_or_unknown_nodes_do_not_wait(store):
 
 
 def test_malformed_fences_get_errors_and_the_master_keeps_serving(store):
-    for after in ({"n": "notalist"}, {"n": [1, 2]}, {"n": ["seg"]}, {"n": ["seg", True]}):
+    with StoreClient(store.master) as c:
+        assert c.put("fence/e", b"x")
+        node_id, (_, (segment, seq)) = next(iter(c._fences.items()))
+    ahead = [segment, seq + 10**6]      # a fence that would wait, then a bad one
+    for after in ({"n": "notalist"}, {"n": [1, 2]}, {"n": ["seg"]}, {"n": ["seg", True]},
+                  {node_id: ahead, "n": "notalist"}):
         reply = request(store.master, P.LocateRequest(["k"], after), 2.0)
         assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request", (after, reply)
         assert "after" in reply.message

@@ -78,6 +78,9 @@ def test_put_of_stored_key_is_success_without_rewrite(store):
     with StoreClient(store.master) as c:
         assert c.put("dup/a", b"first")
         assert c.put("dup/a", b"other")           # already stored: success, nothing rewritten
+        assert c.get("dup/a") == b"first"         # (by the node, if its report was in flight)
+        assert c.exists("dup/a")                  # fenced: the master has it now
+        assert c.put("dup/a", b"third")           # ... so the master's Place deduplicates it
         assert c.get("dup/a") == b"first"
         st = c.stats()["cluster"]
         assert st["deduplicated"] >= 1

@@ -91,5 +91,12 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         got = st.commit_many(["n/1", "n/2", "nothing"], [7, 8, 9])
         assert [o.size if o else None for o in got] == [100, 200, None]
         assert st.usage[""] == 400 and st.meta("n/2") == (200, 8)
+        # with offsets: a commit naming another slot than the key's reservation commits nothing
+        # (a writer whose reservation lapsed while another writer reserved the key elsewhere)
+        a, b = st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0)
+        got = st.commit_many(["o/a", "o/b"], [1, 2], [a, a])
+        assert got[0].offset == a and got[1] is None
+        assert st.dram.reserved["o/b"][0].offset == b           # still the other writer's
+        assert st.commit_many(["o/b"], [2], [b])[0].offset == b
     finally:
         st.close()

@@ -226,7 +226,7 @@ def corpus() -> list[list[bytes]]:
             (P.PlaceRequest(keys, [10, 20], "h"), []), (P.StatsRequest(), []),
             (P.ReadRequest(keys), []), (P.LeaseRequest(keys), []),
             (P.WriteRequest(keys, [1, 2]), [b"x" * 10, b"y" * 20]),
-            (P.ReserveRequest(keys, [10, 20]), []), (P.CommitRequest(keys, [1, 2]), []),
+            (P.ReserveRequest(keys, [10, 20]), []), (P.CommitRequest(keys, [1, 2], [0, 256]), []),
             (P.NodeStatsRequest(), []), (P.CommittedRequest("nobody", keys, [1, 2], [3, 4]), []),
             (P.EvictedRequest("nobody", keys), [])]
     return [P.encode(m, 7, payload=pl) for m, pl in msgs]
