@@ -115,10 +115,13 @@ def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
 class DirectConnection:
     """One peer on a service's direct port; owned by the service loop (non-blocking)."""
 
-    def __init__(self, sock: socket.socket, service: "Service"):
+    def __init__(self, sock: socket.socket, service: "Service",
+                 on_close: Optional[Callable[["DirectConnection"], None]] = None):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.service = sock, service
+        self.on_close = on_close            # default: the service forgets the peer
+        self.priority = False               # read before other peers in each loop turn
         self.fd = sock.fileno()
         self.inbuf = bytearray()
         self.out: list[memoryview] = []     # bytes the kernel would not take yet
@@ -192,7 +195,10 @@ class DirectConnection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.service._drop_connection(self)
+            if self.on_close is not None:
+                self.on_close(self)
+            else:
+                self.service._drop_connection(self)
             self.sock.close()
 
 
@@ -282,6 +288,7 @@ class Service:
             self._poller.unregister(conn.fd)
 
     def _on_direct(self, events: dict) -> None:
+        ready = []
         for fd, ev in events.items():
             if not isinstance(fd, int):
                 continue
@@ -289,8 +296,11 @@ class Service:
                 self._accept()
                 continue
             conn = self._conns.get(fd)
-            if conn is None:
-                continue
+            if conn is not None:
+                ready.append((conn, ev))
+        if len(ready) > 1:      # peers marked priority first (the master: its nodes' reports)
+            ready.sort(key=lambda item: not item[0].priority)
+        for conn, ev in ready:
             if ev & zmq.POLLOUT:
                 conn.flush()
             if ev & zmq.POLLIN:
@@ -304,6 +314,17 @@ class Service:
         """Poll another socket or file descriptor in the same loop (the node's channel to
         the master, the SSD writer's wake-up pipe)."""
         self._extra.append((sock, on_readable))
+
+    def watch(self, sock, on_readable: Callable[[], None]) -> None:
+        """``add_socket`` while the loop runs (a connection the service opened itself)."""
+        self._extra.append((sock, on_readable))
+        if self._poller is not None:
+            self._poller.register(sock, zmq.POLLIN)
+
+    def unwatch(self, sock) -> None:
+        self._extra = [(s, h) for s, h in self._extra if s != sock]
+        if self._poller is not None:
+            self._poller.unregister(sock)
 
     def tick(self, now: float) -> None:
         """Called every loop turn; timers live here."""
@@ -320,10 +341,10 @@ class Service:
         while not self.stopping.is_set():
             try:
                 events = dict(poller.poll(self.poll_ms))
-                if self.sock in events:
-                    self._serve_one()
                 if self._listener is not None:
                     self._on_direct(events)
+                if self.sock in events:
+                    self._serve_one()
                 for sock, handler in self._extra:
                     if sock in events:
                         handler()

@@ -14,7 +14,7 @@ from .. import protocol as P
 from ..config import MasterConfig
 from ..errors import ProtocolError
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import Service
+from ..rpc import DirectConnection, Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .registry import NodeRegistry
 
@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 MAX_NAMESPACES = 1000   # per-namespace counters kept; the rest are summed under "(other)"
 FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its fence names
 MAX_PARKED = 10000      # lookups waiting on fences; beyond this they are answered at once
+
+
+def _from_node(ident) -> None:
+    """A node's messages over the direct port are read before other peers' in each loop turn:
+    a node reports a commit before it answers the writer, so the master then applies the
+    report before any lookup the writer's answer could have led to (from any client)."""
+    if isinstance(ident, DirectConnection):
+        ident.priority = True
 
 
 class MasterService(Service):
@@ -225,6 +233,7 @@ class MasterService(Service):
     # -------------------------------------------------------------- nodes
 
     def on_RegisterRequest(self, msg: P.RegisterRequest, payload, ident, req_id):
+        _from_node(ident)
         info = P.NodeInfo.from_dict(msg.node)
         slot = self.slots.slot(info.node_id)
         if info.node_id in self.registry.nodes:
@@ -237,6 +246,7 @@ class MasterService(Service):
         return P.RegisterReply(self.epoch), None
 
     def on_HeartbeatRequest(self, msg: P.HeartbeatRequest, payload, ident, req_id):
+        _from_node(ident)
         st = self.registry.touch(msg.node_id, msg.stats)
         return P.HeartbeatReply(self.epoch, st is not None, self._quota_shares(st)), None
 
@@ -262,6 +272,7 @@ class MasterService(Service):
         return P.OkReply(), None
 
     def on_CommittedRequest(self, msg: P.CommittedRequest, payload, ident, req_id):
+        _from_node(ident)
         st = self.registry.nodes.get(msg.node_id)
         if st is None:
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered"), None
@@ -277,6 +288,7 @@ class MasterService(Service):
         return P.OkReply(), None
 
     def on_EvictedRequest(self, msg: P.EvictedRequest, payload, ident, req_id):
+        _from_node(ident)
         st = self.registry.nodes.get(msg.node_id)
         if st is None:
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered"), None

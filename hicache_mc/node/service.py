@@ -9,12 +9,22 @@ message the node sent before answering. A node whose messages to the master are 
 registers again with its whole inventory, so nothing it acknowledged stays unknown to the
 master. Evictions travel on the same connection after the commits they follow, so the master
 applies both in the node's order.
+
+Before it registers, the node asks the master (``Hello``, over its ZeroMQ DEALER) for its
+direct port, connects to it and registers there; everything it reports then goes through that
+plain TCP connection, which the master reads before its other peers in each loop turn. A report
+is therefore in the master's socket before the writer hears back, and is applied before any
+lookup the writer's answer could have led to, from any client on the same host (measured in
+``benchmarks/bench_visibility.py``). Until it has registered on a channel the node sends no
+reports: the inventory it registers with covers them. A direct connection that breaks sends it
+back to the start (``Hello``, register), over the DEALER when the master has no direct port.
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import Optional
@@ -24,7 +34,7 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import Service
+from ..rpc import CONNECT_TIMEOUT_S, DirectConnection, Service, host_of
 from ..transport.shm import host_identity
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
@@ -104,6 +114,9 @@ class StorageNode(Service):
         self.master.setsockopt(zmq.LINGER, 0)
         self.master.connect(config.master)
         self.add_socket(self.master, self._on_master_reply)
+        self._master_direct: Optional[str] = None   # its direct port; None: not asked, "": none
+        self._mconn: Optional[DirectConnection] = None
+        self._announced = False     # registered (with the inventory) on the current channel
         self._req = 0
         self._seq = 0                           # Committed messages sent (see the docstring)
         # req_id -> (deadline, client ident, client req id, reply, reply if the master refuses)
@@ -160,13 +173,22 @@ class StorageNode(Service):
         """Send to the master; ``waiter`` = (ident, req_id, reply, failure reply) answers a
         client once the master acknowledges."""
         self._req += 1
-        self.master.send_multipart(P.encode(msg, self._req, self.config.token))
+        frames = P.encode(msg, self._req, self.config.token)
+        if self._mconn is not None:
+            self._mconn.send(frames)
+        else:
+            self.master.send_multipart(frames)
         if waiter is not None:
             self._pending[self._req] = (time.monotonic() + MASTER_TIMEOUT_S, *waiter)
 
     def _register(self, now: float) -> None:
-        """Announce this node and its whole inventory (the master may be new)."""
+        """Announce this node and its whole inventory (the master may be new); first, unless
+        known, ask where the master's direct port is (``_on_hello`` comes back here)."""
         self._next_register = now + self.config.heartbeat_interval_s
+        if self._mconn is None and self._master_direct is None:
+            self._to_master(P.HelloRequest())
+            return
+        self._announced = True
         self._to_master(P.RegisterRequest(self.info.to_dict()))
         items = self.store.inventory()
         for i in range(0, len(items), INVENTORY_CHUNK):
@@ -175,27 +197,82 @@ class StorageNode(Service):
                                                [c[1] for c in chunk], [c[2] for c in chunk]))
         # the inventory covers every commit so far: fences up to the current seq hold now
         self._to_master(P.CommittedRequest(self.node_id, [], [], [], self._seq))
-        log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
+        self._next_heartbeat = 0.0      # the master has its stats at once
+        log.info("registering with the master at %s%s (%d objects)", self.config.master,
+                 f" through its direct port {self._master_direct}" if self._mconn else "", len(items))
+
+    def _reregister(self, now: float) -> None:
+        self._announced, self.epoch = False, None   # (tick retries until a RegisterReply)
+        self._register(now)
+
+    def _on_hello(self, msg: P.HelloReply) -> None:
+        if self._mconn is not None or self._master_direct is not None:
+            return                  # an answer to an earlier Hello
+        self._master_direct = ""
+        if msg.direct_address:      # the port the master reports, on the host we reach it by
+            host, port = host_of(self.config.master), msg.direct_address.rpartition(":")[2]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+            except (OSError, ValueError) as exc:
+                log.warning("master's direct port %s: %s; reporting through ZeroMQ", address, exc)
+            else:
+                self._master_direct = address
+                self._mconn = DirectConnection(sock, self, on_close=self._master_direct_closed)
+                self.watch(self._mconn.fd, self._on_master_direct)
+        self._reregister(time.monotonic())
+
+    def _on_master_direct(self) -> None:
+        """The direct connection to the master is readable (or writable again)."""
+        conn = self._mconn
+        if conn is not None:
+            if conn.out:
+                conn.flush()
+            for frames in conn.read():
+                self._on_master_frames(frames)
+
+    def _master_direct_closed(self, conn: DirectConnection) -> None:
+        """Back to the start: what was on the wire is lost; waiters fail, the node registers
+        again (asking for the direct port again: a restarted master has another)."""
+        self.unwatch(conn.fd)
+        if self._mconn is not conn:
+            return
+        self._mconn, self._master_direct, self._announced = None, None, False
+        self.epoch, self._next_register = None, 0.0
+        if self.stopping.is_set():
+            return
+        log.warning("direct connection to the master closed; registering again")
+        for req_id in list(self._pending):
+            _, ident, client_req, _, failed = self._pending.pop(req_id)
+            self.reply(ident, client_req, failed)
 
     def _on_master_reply(self) -> None:
-        frames = self.master.recv_multipart(copy=False)
+        """A reply on the DEALER."""
+        self._on_master_frames(self.master.recv_multipart(copy=False))
+
+    def _on_master_frames(self, frames: list) -> None:
         try:
             msg, req_id, _, _ = P.decode(frames)
         except Exception as exc:
             log.warning("bad frame from the master: %s", exc)
             return
         self._last_master_reply = time.monotonic()
-        if isinstance(msg, P.RegisterReply):
+        if isinstance(msg, P.HelloReply):
+            self._on_hello(msg)
+        elif isinstance(msg, P.RegisterReply):
             self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
             self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
-            if not msg.known or msg.epoch != self.epoch:
+            # (while registering, epoch is None and tick retries: no second registration here)
+            if self.epoch is not None and (not msg.known or msg.epoch != self.epoch):
                 log.info("master epoch %s (was %s): registering again", msg.epoch, self.epoch)
-                self._register(time.monotonic())
+                if msg.epoch != self.epoch and self._mconn is None:
+                    self._master_direct = None      # a new master may have a direct port
+                self._reregister(time.monotonic())
         elif isinstance(msg, P.ErrorReply):
             log.warning("master refused a request: %s %s", msg.code, msg.message)
             if msg.code == "unknown_node" and time.monotonic() >= self._next_register:
-                self._register(time.monotonic())
+                self._reregister(time.monotonic())
         waiter = self._pending.pop(req_id, None)
         if waiter is not None:
             _, ident, client_req, reply, failed = waiter
@@ -211,10 +288,14 @@ class StorageNode(Service):
                 self.master.disconnect(self.config.master)
                 self.master.connect(self.config.master)
                 self._last_master_reply = now
+                if self._mconn is not None:
+                    self._mconn.close()         # back to the start (see the docstring)
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
         if self.dram.dropped:
-            self._to_master(P.EvictedRequest(self.node_id, self.store.drain_dropped()))
+            dropped = self.store.drain_dropped()
+            if self._announced:     # else the inventory it registers with leaves them out
+                self._to_master(P.EvictedRequest(self.node_id, dropped))
         for req_id in [r for r, w in self._pending.items() if w[0] < now]:
             _, ident, client_req, _, failed = self._pending.pop(req_id)
             log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)
@@ -313,7 +394,8 @@ class StorageNode(Service):
         """Tell the master, then the writer (with the seq to fence its lookups by)."""
         if pw.keys:
             self._seq += 1
-            self._to_master(P.CommittedRequest(self.node_id, pw.keys, pw.sizes, pw.sums, self._seq))
+            if self._announced:     # else the inventory it registers with has them
+                self._to_master(P.CommittedRequest(self.node_id, pw.keys, pw.sizes, pw.sums, self._seq))
         self.reply(pw.ident, pw.req_id, pw.reply_cls(pw.ok, self._seq if pw.keys else 0))
         return None
 
@@ -321,6 +403,8 @@ class StorageNode(Service):
         gone = self.store.clear(msg.prefix, time.monotonic())
         if not gone:
             return P.ClearReply(0), None
+        if not self._announced:     # the inventory it registers with leaves them out
+            return P.ClearReply(len(gone)), None
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
         self._to_master(P.EvictedRequest(self.node_id, gone), (ident, req_id, P.ClearReply(len(gone)), failed))
         return None
@@ -365,6 +449,8 @@ class StorageNode(Service):
         return P.StatsReply({"node_id": self.node_id, **self.stats()}), None
 
     def close(self) -> None:
+        if self._mconn is not None:
+            self._mconn.close()
         super().close()
         self.streams.close()    # before the segment is unmapped: its threads copy into it
         if self.te is not None:

@@ -77,15 +77,18 @@ def test_malformed_fences_get_errors_and_the_master_keeps_serving(store):
 
 def test_fences_hold_across_a_master_restart(cluster):
     """The restarted master learns each node's commit sequence with its inventory: the
-    writer's fenced lookups are answered, and right."""
+    writer's fenced lookups are answered, and right. The node reports through the master's
+    direct port, before and after the restart."""
     master = cluster.start_master()
-    cluster.add_node()
+    node = cluster.add_node()
     cluster.wait_nodes(1)
     with StoreClient(cluster.master, timeout_s=2.0) as c:
         assert c.put("mr/a", b"before")
+        assert node.log().count("through its direct port") == 1
         master.stop()
         cluster.start_master()
         cluster.wait_keys(1)                    # the node registered again with its inventory
+        assert node.log().count("through its direct port") == 2
         for _ in range(100):                    # the client's circuit may be open for a moment
             if c.exists("mr/a"):
                 break
@@ -118,3 +121,12 @@ def test_a_get_leases_from_the_likely_node_before_asking_the_master(store):
         assert c.counters["lease_early"] == 2
         assert get(keys[:1], size=100) == [False]       # another size than stored: a miss
         assert c.checks.failures == 0
+
+
+def test_another_client_sees_a_put_once_it_returns(store):
+    """The node's report is in the master's socket before the writer hears back, and the
+    master reads its nodes first: a lookup the answer led to, from any client, finds the key."""
+    with StoreClient(store.master) as a, StoreClient(store.master, transport="tcp") as b:
+        for i in range(200):
+            assert a.put(f"seen/{i}", b"v" * 100)
+            assert b.exists(f"seen/{i}"), i

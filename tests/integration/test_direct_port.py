@@ -100,10 +100,11 @@ def test_a_direct_port_that_refuses_connections_falls_back_to_zeromq(store):
 def test_direct_ports_off(cluster):
     """``direct_port = -1`` on both: everything goes through ZeroMQ."""
     cluster.start_master(args=("--direct-port", "-1"))
-    cluster.add_node(args=("--node-direct-port", "-1"))
+    node = cluster.add_node(args=("--node-direct-port", "-1"))
     cluster.wait_nodes(1)
     with StoreClient(cluster.master) as c:
         assert c.put("off/a", b"x") and c.get("off/a") == b"x"
+        assert "through its direct port" not in node.log()      # reports went through ZeroMQ
         assert all(ch.conn is None for ch in c._channels)
         assert c._direct.get(cluster.master, "") == ""
 
