@@ -87,6 +87,23 @@ def send_all(sock: socket.socket, bufs: list) -> None:
         bufs = _sent(bufs, sock.sendmsg(bufs[:IOV_MAX]))
 
 
+def direct_via(service: str, reported: str) -> str:
+    """host:port of a service's direct port: the port it reports, on the host this peer
+    already reaches it by (the service may bind 0.0.0.0); "" when it reports none."""
+    if not reported:
+        return ""
+    host, port = host_of(service), reported.rpartition(":")[2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def dial(direct: str, timeout_s: float) -> socket.socket:
+    """A TCP connection (no Nagle) to a direct port ``host:port``; OSError/ValueError if not."""
+    host, _, port = direct.rpartition(":")
+    conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
 def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
     """(bytes used, [header, *payload frames]) of the first whole message in ``buf``, or None
     when it has not all arrived. Declared sizes over the limits raise ProtocolError."""
@@ -311,17 +328,13 @@ class Service:
                         log.exception("%s: request on the direct port failed", self.name)
 
     def add_socket(self, sock, on_readable: Callable[[], None]) -> None:
-        """Poll another socket or file descriptor in the same loop (the node's channel to
-        the master, the SSD writer's wake-up pipe)."""
-        self._extra.append((sock, on_readable))
-
-    def watch(self, sock, on_readable: Callable[[], None]) -> None:
-        """``add_socket`` while the loop runs (a connection the service opened itself)."""
+        """Poll another socket or file descriptor in the same loop (the node's channels to
+        the master, the SSD writer's wake-up pipe), from now on, even while the loop runs."""
         self._extra.append((sock, on_readable))
         if self._poller is not None:
             self._poller.register(sock, zmq.POLLIN)
 
-    def unwatch(self, sock) -> None:
+    def remove_socket(self, sock) -> None:
         self._extra = [(s, h) for s, h in self._extra if s != sock]
         if self._poller is not None:
             self._poller.unregister(sock)
@@ -488,16 +501,13 @@ class Channel:
             self.reset()        # the service restarted: nothing was in flight, connect anew
         if not self.direct or self._waiting or time.monotonic() < self._direct_down_until:
             return None
-        host, _, port = self.direct.rpartition(":")
         try:
-            conn = socket.create_connection((host.strip("[]"), int(port)),
-                                            timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
+            conn = dial(self.direct, min(CONNECT_TIMEOUT_S, self.timeout_s))
         except (OSError, ValueError) as exc:
             self._direct_down_until = time.monotonic() + DIRECT_RETRY_S
             log.warning("direct port %s of %s: %s; using ZeroMQ for %.0fs", self.direct,
                         self.address, exc, DIRECT_RETRY_S)
             return None
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.sock is not None:           # nothing is awaited on it: late replies go with it
             self.sock.close(0)
             self.sock = None

@@ -21,7 +21,7 @@ import zmq
 from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError, RemoteError, StoreUnavailable
-from ..rpc import Channel, host_of
+from ..rpc import Channel, direct_via
 from ..transport.base import ROUND_BYTES, ChecksumCounter, LeasedTransport, Transport
 from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
@@ -164,14 +164,7 @@ class StoreClient:
             return
         finally:
             ch.close()
-        direct = ""
-        if self.config.direct and reply.direct_address:
-            # the port the master reports, on the host this client reaches it by (the master
-            # may bind 0.0.0.0)
-            host = host_of(self.config.master)
-            port = reply.direct_address.rpartition(":")[2]
-            direct = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._set_direct(self.config.master, direct)
+        self._set_direct(self.config.master, direct_via(self.config.master, reply.direct_address))
 
     def _set_direct(self, address: str, direct: str) -> None:
         """Requests to ``address`` go through ``direct`` from now on ("" = ZeroMQ)."""

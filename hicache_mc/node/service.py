@@ -24,7 +24,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import socket
 import time
 import uuid
 from typing import Optional
@@ -34,7 +33,7 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import CONNECT_TIMEOUT_S, DirectConnection, Service, host_of
+from ..rpc import CONNECT_TIMEOUT_S, DirectConnection, Service, dial, direct_via
 from ..transport.shm import host_identity
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
@@ -209,17 +208,16 @@ class StorageNode(Service):
         if self._mconn is not None or self._master_direct is not None:
             return                  # an answer to an earlier Hello
         self._master_direct = ""
-        if msg.direct_address:      # the port the master reports, on the host we reach it by
-            host, port = host_of(self.config.master), msg.direct_address.rpartition(":")[2]
-            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = direct_via(self.config.master, msg.direct_address)
+        if address:
             try:
-                sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+                sock = dial(address, CONNECT_TIMEOUT_S)
             except (OSError, ValueError) as exc:
                 log.warning("master's direct port %s: %s; reporting through ZeroMQ", address, exc)
             else:
                 self._master_direct = address
                 self._mconn = DirectConnection(sock, self, on_close=self._master_direct_closed)
-                self.watch(self._mconn.fd, self._on_master_direct)
+                self.add_socket(self._mconn.fd, self._on_master_direct)
         self._reregister(time.monotonic())
 
     def _on_master_direct(self) -> None:
@@ -234,7 +232,7 @@ class StorageNode(Service):
     def _master_direct_closed(self, conn: DirectConnection) -> None:
         """Back to the start: what was on the wire is lost; waiters fail, the node registers
         again (asking for the direct port again: a restarted master has another)."""
-        self.unwatch(conn.fd)
+        self.remove_socket(conn.fd)
         if self._mconn is not conn:
             return
         self._mconn, self._master_direct, self._announced = None, None, False

@@ -180,9 +180,9 @@ class TieredStore:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s, evict)
         return out
 
-    def commit(self, key: str, checksum: int, offset: Optional[int] = None) -> bool:
+    def commit(self, key: str, checksum: int) -> bool:
         """Make a reserved slot a readable object (the shm/TE write path)."""
-        return self.commit_many([key], [checksum], None if offset is None else [offset])[0] is not None
+        return self.commit_many([key], [checksum])[0] is not None
 
     def commit_many(self, keys: list[str], checksums: list[int],
                     offsets: Optional[list[int]] = None) -> list[Optional[Obj]]:

@@ -234,7 +234,7 @@ class LeasedTransport(Transport):
         """Read objects ``idx`` under the Lease ``reply`` (its entries in ``idx`` order) into
         ``out``: (the indices it read, hit or not; those the node holds only on SSD, for
         ``stream``). Leases on objects of another size than asked are given back unread."""
-        todo, sums, offs, streamed, spare = [], [], [], [], []
+        todo, sums, offs, streamed, spare, spare_offs = [], [], [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
             if off == P.LEASE_STREAM:
                 streamed.append(i)
@@ -243,21 +243,19 @@ class LeasedTransport(Transport):
                 offs.append(off)
                 sums.append(expected)
             elif off >= 0:
-                spare.append((keys[i], off))
-        if spare:
-            self.cancel(node, [k for k, _ in spare], [off for _, off in spare])
-        if todo:
-            got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
-                             min(deadline, reply.deadline))
-            # done with the slots: the node may reuse them now (the reply is not awaited). A
-            # failed fetch releases nothing: a transfer it abandoned may still be running.
-            self.cancel(node, [keys[i] for i in todo], offs)
-            if time.monotonic() > reply.deadline:
-                log.warning("%s read of %d objects outlived its lease; treated as misses",
-                            self.name, len(todo))
-                return todo, streamed
-            for i, expected, actual in zip(todo, sums, got):
-                out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
+                spare.append(keys[i])
+                spare_offs.append(off)
+        got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
+                         min(deadline, reply.deadline)) if todo else []
+        # done with the slots: the node may reuse them now (one Release, not awaited). A
+        # failed fetch releases nothing: a transfer it abandoned may still be running.
+        self.cancel(node, [keys[i] for i in todo] + spare, offs + spare_offs)
+        if todo and time.monotonic() > reply.deadline:
+            log.warning("%s read of %d objects outlived its lease; treated as misses",
+                        self.name, len(todo))
+            return todo, streamed
+        for i, expected, actual in zip(todo, sums, got):
+            out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
         return todo, streamed
 
     def write(self, node, keys, ptrs, sizes, deadline):
