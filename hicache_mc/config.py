@@ -155,6 +155,9 @@ class ClientConfig:
     # send requests through the master's and nodes' direct ports (plain TCP: one hop instead
     # of ZeroMQ's three per message) where they have one; false = ZeroMQ only
     direct: bool = True
+    # room to borrow from the node on this host and place small puts in without reserving
+    # first (one round trip instead of two); a node lends at most 1/16 of its DRAM. 0 = never
+    arena: int = size_field("64MiB")
     # Mooncake transport (used only when it is chosen; see docs/operations.md)
     te_protocol: str = ""              # "" = what the node publishes; tcp | rdma
     # NIC filter: "mlx5_0", "mlx5_0,mlx5_1", or a per-rank JSON map {"0": "mlx5_0", "1": "mlx5_1"}
@@ -169,6 +172,8 @@ class ClientConfig:
         if self.transport not in ("auto", "shm", "tcp", "mooncake"):
             raise ConfigError(f"transport: expected auto, shm, tcp or mooncake, got {self.transport!r}")
         _check_te_protocol(self.te_protocol)
+        if self.arena < 0:
+            raise ConfigError(f"arena: must be >= 0, got {self.arena}")
         if self.te_staging < 1 << 20:
             raise ConfigError(f"te_staging: at least 1MiB, got {self.te_staging}")
         _check_positive(self.timeout_s, "timeout_s")

@@ -24,8 +24,9 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 5   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
-              # data_address; 4: locations without checksums; 5: commit sequence numbers, fences)
+VERSION = 6   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
+              # data_address; 4: locations without checksums; 5: commit sequence numbers, fences;
+              # 6: arenas, grants with a ttl instead of a node-clock deadline)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
@@ -291,11 +292,12 @@ LEASE_STREAM = -3  # LeaseReply offset: stored, but read it with ReadRequest (no
 
 @message
 class LeaseReply(Message):
-    # shm: offsets into the node's segment, valid until `deadline` (CLOCK_MONOTONIC, seconds).
+    # offsets into the node's segment, the reader's for `ttl` seconds counted from when it sent
+    # the Lease (the node's monotonic clock is not the reader's: it may be on another host)
     offsets: list[int]       # -1 = missing; LEASE_STREAM = read it over tcp
     sizes: list[int]
     checksums: list[int]
-    deadline: float
+    ttl: float
     segment: str             # the id of the segment the offsets are in (see segment_of)
 
 
@@ -338,7 +340,7 @@ RESERVE_BUSY = -4    # another writer is storing it right now: not acknowledged 
 @message
 class ReserveReply(Message):
     offsets: list[int]       # >= 0 = a slot; or RESERVE_FULL / RESERVE_STORED / RESERVE_BUSY
-    deadline: float          # commit before this (CLOCK_MONOTONIC)
+    ttl: float               # commit within this many seconds of sending the Reserve
     segment: str             # the id of the segment the offsets are in (see segment_of)
 
 
@@ -350,6 +352,34 @@ class CommitRequest(Message):
     # writer reserved the same key elsewhere, commits nothing (it would commit the other
     # writer's slot, unwritten or half-written)
     offsets: list[int]
+    # With an arena (an id from ArenaReply), the offsets are places the writer chose in that
+    # arena itself, in ascending order from where its last commit ended, ``sizes`` long (each
+    # taking its size rounded up to SLOT_ALIGN); the space skipped between them goes back.
+    arena: int = 0
+    sizes: list[int] = field(default_factory=list)
+
+
+# An arena is a region of a node's free DRAM lent to one writer, which places the objects of
+# its next puts in it itself and names their offsets in its Commit: a put needs no Reserve
+# round trip. The lender keeps the region while commits keep coming (each renews it); unused
+# for reserve_s, it goes back to the node's free space.
+SLOT_ALIGN = 256     # objects start on this boundary and take their size rounded up to it
+
+
+@message
+class ArenaRequest(Message):
+    size: int                # bytes wanted (the node may lend less); 0: none
+    give_back: int = 0       # an arena this writer is done with (its unused rest is freed)
+
+
+@message
+class ArenaReply(Message):
+    arena: int               # its id (0: none lent: no room)
+    offset: int
+    size: int
+    ttl: float               # write and commit within this many seconds of sending the request;
+                             # each commit into it renews that from when it was sent
+    segment: str
 
 
 @message

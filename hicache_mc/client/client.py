@@ -26,6 +26,7 @@ from ..transport.base import ROUND_BYTES, ChecksumCounter, LeasedTransport, Tran
 from ..transport.mooncake import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
+from .arena import Arenas, Use
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,16 @@ class Circuit:
 class EarlyPut:
     """A Reserve sent to the writer's node before the master placed the keys (see _put)."""
 
-    def __init__(self, node: P.NodeInfo, transport: LeasedTransport, ch: Channel, rid: int):
-        self.node, self.transport, self.ch, self.rid = node, transport, ch, rid
+    def __init__(self, node: P.NodeInfo, transport: LeasedTransport, ch: Channel, rid: int, sent: float):
+        self.node, self.transport, self.ch, self.rid, self.sent = node, transport, ch, rid, sent
         self.reply: Optional[P.ReserveReply] = None
         self.copied: dict[int, int] = {}        # key index -> checksum of its copy in the slot
         self.lost: set[int] = set()             # key indices whose slots were given back
+
+    @property
+    def until(self) -> float:
+        """When the reserved slots lapse, on this client's clock."""
+        return self.sent + self.reply.ttl
 
     def failed(self, exc: Optional[Exception]) -> None:
         self.ch.forget([self.rid])
@@ -131,6 +137,7 @@ class StoreClient:
         self._fences: dict[str, tuple[float, list]] = {}
         for t in (self.tcp, frames, self.shm, self.te):
             t.committed = self._note_commit
+        self._arenas = Arenas(self.config.arena)
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
@@ -373,14 +380,17 @@ class StoreClient:
         return node, transport
 
     def _lease_early(self, keys, sizes) -> Optional[tuple]:
-        """(node, transport, request id) of a Lease sent to the likely node, or None."""
+        """(node, transport, request id, when sent) of a Lease sent to the likely node, or None."""
         early = self._early(self._reader, sizes)
-        return None if early is None else (*early, early[1].lease(early[0], keys))
+        if early is None:
+            return None
+        sent = time.monotonic()
+        return (*early, early[1].lease(early[0], keys), sent)
 
     def _read_early(self, early, keys, ptrs, sizes, deadline, result) -> tuple:
         """Read what the early Lease got: (the node's id, or None when it did not answer in
         time; the key indices it did not serve; of those, the ones it holds only on SSD)."""
-        node, transport, rid = early
+        node, transport, rid, sent = early
         ch = self._channel(node.address)
         try:
             reply = P.raise_if_error(ch.recv(rid, min(deadline, time.monotonic() + EARLY_GRACE_S))[0])
@@ -390,7 +400,7 @@ class StoreClient:
         if not transport.same_segment(node, reply, keys):
             return None, range(len(keys)), set()
         done, streamed = transport.read_leased(node, range(len(keys)), keys, ptrs, sizes, reply,
-                                               deadline, result)
+                                               sent + reply.ttl, deadline, result)
         done = set(done)
         return node.node_id, [i for i in range(len(keys)) if i not in done], set(streamed)
 
@@ -411,11 +421,26 @@ class StoreClient:
         deadline = self._deadline()
         mch = self._channel(self.config.master)
         place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
+        writer = self._early(self._writer, sizes)
+        use = None if writer is None else self._arenas.begin(writer[0], self._channel(writer[0].address), sizes)
+        try:
+            return self._put_placed(mch, place_rid, writer, use, keys, ptrs, sizes, deadline)
+        finally:
+            if use is not None:
+                self._arenas.end(use, self._nodes)
+
+    def _put_placed(self, mch, place_rid, writer, use: Optional[Use], keys, ptrs, sizes, deadline):
+        """The put once the Place is sent: objects go into an arena of the writer's node, or
+        into slots reserved there early, or the ordinary way (see the notes below)."""
         early = None
         try:
-            early = self._reserve_early(keys, sizes)   # overlaps the Place round trip
-            if early is not None:
+            if use is not None and use.arena is not None:
+                self._copy_arena(use, writer[1], ptrs, sizes, deadline)
+            elif writer is not None:
+                early = self._reserve_early(writer, keys, sizes)   # overlaps the Place round trip
                 self._copy_early(early, mch, place_rid, keys, ptrs, sizes, deadline)
+            if use is not None:
+                self._arenas.ask(use)       # for the next put, while this one waits for the Place
             placed = P.raise_if_error(mch.recv(place_rid, deadline)[0])
             self._learn(placed.nodes)
         except Exception:
@@ -429,6 +454,8 @@ class StoreClient:
             if target:
                 by_node[target].append(i)
         self._remember_writer(by_node)
+        if use is not None and use.sums is not None:
+            self._put_arena(use, by_node, keys, sizes, deadline, result)
         if early is not None:
             self._put_early(early, by_node, keys, ptrs, sizes, deadline, result)
         for node_id, idx in by_node.items():
@@ -456,14 +483,60 @@ class StoreClient:
         elif by_node:
             self._writer = None
 
-    def _reserve_early(self, keys, sizes) -> Optional["EarlyPut"]:
-        """A Reserve sent to the node the last put went to, or None (see ``_early``)."""
-        early = self._early(self._writer, sizes)
-        if early is None:
-            return None
-        node, transport = early
+    def _copy_arena(self, use: Use, transport: LeasedTransport, ptrs, sizes, deadline: float) -> None:
+        """Copy the put's objects into the places it took in an arena (before the Place is
+        back: the master's answer only says which of them to commit)."""
+        arena = use.arena
+        try:
+            use.sums = transport.store(arena.node, use.offsets, ptrs, sizes, min(deadline, arena.until))
+        except Exception as exc:    # e.g. the node restarted and its segment is gone
+            log.debug("copy into an arena failed: %s", exc)
+            self._arenas.drop(arena)
+
+    def _put_arena(self, use: Use, by_node, keys, sizes, deadline, result) -> None:
+        """Commit the objects placed on the arena's node, at the offsets the put chose; the
+        master's answer may have deduplicated some or placed them elsewhere (their places are
+        skipped). An arena the node no longer knows (it restarted, or took it back) is dropped
+        and its objects written the ordinary way."""
+        arena, node = use.arena, use.arena.node
+        if self._nodes.get(node.node_id) is not node:
+            self._arenas.drop(arena)        # the Place brought a new record: node restarted
+            return
+        mine = by_node.pop(node.node_id, [])
+        if not mine:
+            return
+        sent = time.monotonic()
+        if sent >= arena.until:
+            self._arenas.drop(arena)
+            by_node[node.node_id] = mine
+            return
+        ch = self._channel(node.address)
+        msg = P.CommitRequest([keys[i] for i in mine], [use.sums[i] for i in mine],
+                              [use.offsets[i] for i in mine], arena.id, [sizes[i] for i in mine])
+        try:
+            reply = P.raise_if_error(ch.recv(ch.send(msg), deadline)[0])
+        except RemoteError as exc:
+            self._arenas.drop(arena)
+            if exc.code != "unknown_arena":
+                raise
+            log.info("node %s no longer lends arena %d; writing the ordinary way", node.node_id, arena.id)
+            by_node[node.node_id] = mine
+            return
+        except Exception:
+            self._arenas.drop(arena)        # its state on the node is in doubt: let it lapse
+            raise
+        self._arenas.committed(arena, sent)
+        self._note_commit(node, reply.seq)
+        for i, ok in zip(mine, reply.ok):
+            result[i] = ok
+        self.counters["bytes_written"] += sum(sizes[i] for i, ok in zip(mine, reply.ok) if ok)
+
+    def _reserve_early(self, writer, keys, sizes) -> "EarlyPut":
+        """A Reserve sent to the node the last put went to (``writer``: see ``_early``)."""
+        node, transport = writer
+        sent = time.monotonic()
         rid = transport.reserve(node, keys, sizes, evict=False)
-        return EarlyPut(node, transport, self._channel(node.address), rid)
+        return EarlyPut(node, transport, self._channel(node.address), rid, sent)
 
     def _copy_early(self, early: "EarlyPut", mch: Channel, place_rid: int, keys, ptrs, sizes,
                     deadline: float) -> None:
@@ -487,12 +560,12 @@ class StoreClient:
             run_bytes += sizes[i]
             if run_bytes < SPECULATE_RUN and n + 1 < len(todo):
                 continue
-            if mch.ready(place_rid) or time.monotonic() >= min(deadline, early.reply.deadline):
+            if mch.ready(place_rid) or time.monotonic() >= min(deadline, early.until):
                 return
             try:
                 sums = early.transport.store_slots(early.node, run, keys, ptrs, sizes,
                                                    [offsets[j] for j in run],
-                                                   min(deadline, early.reply.deadline))
+                                                   min(deadline, early.until))
             except Exception as exc:    # e.g. the node restarted and its segment is gone
                 log.debug("copy ahead of the Place failed: %s", exc)
                 early.lost.update(run)  # those slots were given back: written the ordinary way
@@ -519,6 +592,7 @@ class StoreClient:
                     reply = None
             except HicacheError as exc:
                 early.failed(exc if mine else None)
+        early.reply = reply
         if reply is None:
             self._writer = None
             if mine and time.monotonic() < deadline:
@@ -541,13 +615,13 @@ class StoreClient:
         try:
             if rest:
                 sums += transport.store_slots(node, rest, keys, ptrs, sizes, [offsets[i] for i in rest],
-                                              min(deadline, reply.deadline))
+                                              min(deadline, early.until))
         except Exception:
             transport.cancel(node, [keys[i] for i in copied], [offsets[i] for i in copied])
             raise
         if copied or rest:
             transport.commit(node, copied + rest, keys, sums, [offsets[i] for i in copied + rest],
-                             reply.deadline, deadline, result)
+                             early.until, deadline, result)
             self.counters["bytes_written"] += sum(sizes[i] for i in copied + rest if result[i])
 
     # -------------------------------------------------------------- single-key API
@@ -592,7 +666,7 @@ class StoreClient:
     def stats(self) -> dict:
         """Cluster stats from the master plus this client's own counters."""
         cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
-        own = dict(self.counters, checksum_failures=self.checks.failures,
+        own = dict(self.counters, checksum_failures=self.checks.failures, arena_puts=self._arenas.puts,
                    circuit_opens=self.circuit.opens,
                    **{f"te_{k}": v for k, v in self.te.counters.items()})
         return {"cluster": cluster, "client": own}
@@ -601,6 +675,7 @@ class StoreClient:
         if self._closed:
             return
         self._closed = True
+        self._arenas.close(self._channel)
         with self._channels_lock:
             for ch in self._channels:
                 ch.close()

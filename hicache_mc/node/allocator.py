@@ -18,7 +18,7 @@ class SlotAllocator:
         self._sizes: dict[int, int] = {base: capacity}
         self.used = 0
 
-    def _round(self, size: int) -> int:
+    def rounded(self, size: int) -> int:
         return max(self.align, (size + self.align - 1) // self.align * self.align)
 
     @property
@@ -26,12 +26,12 @@ class SlotAllocator:
         return self.capacity - self.used
 
     def can_allocate(self, size: int) -> bool:
-        need = self._round(size)
+        need = self.rounded(size)
         return any(s >= need for s in self._sizes.values())
 
     def allocate(self, size: int) -> int:
         """Offset of a new range of at least ``size`` bytes, or -1 when none is free."""
-        need = self._round(size)
+        need = self.rounded(size)
         for i, off in enumerate(self._offsets):
             have = self._sizes[off]
             if have >= need:
@@ -47,7 +47,7 @@ class SlotAllocator:
 
     def free(self, offset: int, size: int) -> None:
         """Return a range given out by ``allocate(size)``; merges with free neighbours."""
-        size = self._round(size)
+        size = self.rounded(size)
         assert offset not in self._sizes, f"double free at {offset}"
         self.used -= size
         i = bisect.bisect_left(self._offsets, offset)

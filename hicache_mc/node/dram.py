@@ -4,6 +4,10 @@ The segment is a file under ``/dev/shm`` mapped with mmap. Same-host clients map
 copy straight in (reserved slots) or out (leased objects), so the node never touches the bytes
 on the shm path.
 
+Arenas: a region of free space lent to one writer, which places objects in it itself and
+commits them with their offsets (``commit_arena`` in store.py; protocol.ArenaRequest). Below
+the arena's cursor lie committed objects and freed gaps; from the cursor on, the writer's.
+
 Reuse safety: every read hands out a lease (``lease_s``); an object freed while a lease on it
 is live goes to quarantine until the lease ends, so a reader never sees its slot rewritten
 mid-copy. Slots never leased are reused at once. Checksums (computed by writers, verified by
@@ -15,10 +19,12 @@ import heapq
 import logging
 import mmap
 import os
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from ..protocol import SLOT_ALIGN
 from ..transport.shm import MAGIC
 from .allocator import SlotAllocator
 
@@ -39,6 +45,15 @@ class Obj:
     readers: int = 0          # leases handed out and not yet released
 
 
+@dataclass
+class Arena:
+    id: int
+    start: int
+    end: int
+    cursor: int               # where the writer's next object may start
+    until: float              # lent until then; each commit renews it
+
+
 class DramTier:
     def __init__(self, path: str, capacity: int, segment_id: str, lease_s: float,
                  high_watermark: float, low_watermark: float, prefault: bool = False):
@@ -56,7 +71,9 @@ class DramTier:
             os.close(fd)
         header = MAGIC + segment_id.encode()
         self.mm[: len(header)] = header
-        self.alloc = SlotAllocator(HEADER_BYTES, capacity)
+        self.alloc = SlotAllocator(HEADER_BYTES, capacity, SLOT_ALIGN)
+        self.arenas: dict[int, Arena] = {}
+        self.arena_bytes = 0                                    # lent and not yet committed
         self.objects: "OrderedDict[str, Obj]" = OrderedDict()   # LRU order: oldest first
         self.reserved: dict[str, tuple[Obj, float]] = {}        # key -> (slot, commit deadline)
         self._quarantine: list[tuple[float, int]] = []          # (release time, offset)
@@ -123,6 +140,71 @@ class DramTier:
             return False
         self.mm[offset: offset + len(data)] = data
         return self.commit(key, checksum)
+
+    # ------------------------------------------------------------ arenas
+
+    def open_arena(self, size: int, now: float, hold_s: float) -> Optional[tuple[int, int, int]]:
+        """(id, offset, size) of a region of ``size`` bytes (rounded down to SLOT_ALIGN) of free
+        space below the high watermark, lent until now+hold_s; None when there is none."""
+        size -= size % SLOT_ALIGN
+        if size <= 0 or self.alloc.used + size > self.high:
+            return None
+        self._release_quarantine(now)
+        offset = self.alloc.allocate(size)
+        if offset < 0:
+            return None
+        arena_id = secrets.randbits(62) + 1     # unguessable across restarts of this node
+        self.arenas[arena_id] = Arena(arena_id, offset, offset + size, offset, now + hold_s)
+        self.arena_bytes += size
+        return arena_id, offset, size
+
+    def arena_error(self, arena_id: int, offsets: list[int], sizes: list[int]) -> Optional[str]:
+        """Why objects of ``sizes`` cannot be placed at ``offsets`` in the arena (ascending,
+        aligned, from its cursor, inside it), or None when they can."""
+        arena = self.arenas.get(arena_id)
+        if arena is None:
+            return "no such arena (expired, or the node restarted)"
+        at = arena.cursor
+        for off, size in zip(offsets, sizes):
+            if size < 0 or off % SLOT_ALIGN or off < at:
+                return f"offset {off} (size {size}) is not an aligned place at or after {at}"
+            at = off + self.alloc.rounded(size)
+            if at > arena.end:
+                return f"offset {off} + size {size} runs past the arena's end {arena.end}"
+        return None
+
+    def place(self, arena: Arena, key: str, offset: int, size: int, checksum: int) -> Obj:
+        """Commit ``key`` at ``offset`` of ``arena`` (checked by ``arena_error``)."""
+        self.skip(arena, offset)
+        obj = self.objects[key] = Obj(offset, size, checksum)
+        taken = self.alloc.rounded(size)
+        arena.cursor += taken
+        self.arena_bytes -= taken
+        if arena.cursor == arena.end:
+            del self.arenas[arena.id]       # used up: nothing left to lend or give back
+        return obj
+
+    def skip(self, arena: Arena, upto: int) -> None:
+        """Free the arena's space from its cursor to ``upto`` (the writer left it unused)."""
+        if upto > arena.cursor:
+            self.alloc.free(arena.cursor, upto - arena.cursor)
+            self.arena_bytes -= upto - arena.cursor
+            arena.cursor = upto
+
+    def close_arena(self, arena_id: int, now: float, expired: bool = False) -> None:
+        """Take the arena back; its unused rest is free space again (after one lease when it
+        expired: its writer may still be copying into it)."""
+        arena = self.arenas.pop(arena_id, None)
+        if arena is None:
+            return
+        if expired:
+            rest = arena.end - arena.cursor
+            if rest:
+                self.arena_bytes -= rest
+                self._free(Obj(arena.cursor, rest, 0, lease_until=now + self.lease_s), now)
+            log.info("arena of %d bytes expired unused; taken back", rest)
+        else:
+            self.skip(arena, arena.end)
 
     # ------------------------------------------------------------ reads
 
@@ -223,6 +305,8 @@ class DramTier:
 
     def maintain(self, now: float) -> None:
         """Expire stale reservations, release quarantine, evict above the high watermark."""
+        for arena_id in [a for a, arena in self.arenas.items() if arena.until < now]:
+            self.close_arena(arena_id, now, expired=True)
         for key in [k for k, (_, deadline) in self.reserved.items() if deadline < now]:
             obj, _ = self.reserved.pop(key)
             # the writer may still be copying: keep the slot out of use for one more lease
@@ -252,6 +336,7 @@ class DramTier:
     def stats(self) -> dict:
         return {"objects": len(self.objects), "used": self.alloc.used, "capacity": self.capacity,
                 "reserved": len(self.reserved), "quarantined": len(self._held),
+                "arenas": len(self.arenas), "arena_bytes": self.arena_bytes,
                 "evictions": self.evictions}
 
     def close(self) -> None:

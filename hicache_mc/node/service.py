@@ -337,8 +337,7 @@ class StorageNode(Service):
         self.counters["reads"] += len(msg.keys)
         self.counters["read_hits"] += sum(o >= 0 for o in offsets)
         # the reader must be done a little before the slot could be reused
-        return P.LeaseReply(offsets, sizes, checksums, now + self.config.lease_s * 0.8,
-                            self.segment_id), None
+        return P.LeaseReply(offsets, sizes, checksums, self.config.lease_s * 0.8, self.segment_id), None
 
     def on_ReleaseRequest(self, msg: P.ReleaseRequest, payload, ident, req_id):
         if len(msg.keys) != len(msg.offsets):
@@ -368,17 +367,49 @@ class StorageNode(Service):
         self.store.next_request()
         offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
                                           msg.evict, self.config.max_value)
-        return P.ReserveReply(offsets, now + self.config.reserve_s * 0.8, self.segment_id), None
+        return P.ReserveReply(offsets, self.config.reserve_s * 0.8, self.segment_id), None
+
+    def on_ArenaRequest(self, msg: P.ArenaRequest, payload, ident, req_id):
+        if msg.size < 0:
+            return P.ErrorReply("bad_request", f"Arena: size must be >= 0, got {msg.size}"), None
+        now = time.monotonic()
+        if msg.give_back:
+            self.dram.close_arena(msg.give_back, now)
+        # at most 1/16 of the segment per writer: lent space is not evictable
+        got = self.dram.open_arena(min(msg.size, self.dram.capacity // 16), now, self.config.reserve_s) \
+            if msg.size else None
+        arena, offset, size = got or (0, -1, 0)
+        return P.ArenaReply(arena, offset, size, self.config.reserve_s * 0.8, self.segment_id), None
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
             return P.ErrorReply("bad_request", "Commit: keys, checksums and offsets differ in length"), None
         pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
+        if msg.arena:
+            return self._commit_arena(msg, pw)
         committed = self.store.commit_many(msg.keys, msg.checksums, msg.offsets)
         for i, (key, obj) in enumerate(zip(msg.keys, committed)):
             if obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
         self.counters["bytes_in"] += sum(pw.sizes)
+        return self._acknowledge(pw)
+
+    def _commit_arena(self, msg: P.CommitRequest, pw: "PendingWrite"):
+        if len(msg.sizes) != len(msg.keys):
+            return P.ErrorReply("bad_request", "Commit: an arena commit needs one size per key"), None
+        why = self.dram.arena_error(msg.arena, msg.offsets, msg.sizes)
+        if why is not None:
+            code = "unknown_arena" if msg.arena not in self.dram.arenas else "bad_request"
+            return P.ErrorReply(code, f"Commit into arena {msg.arena}: {why}"), None
+        self.store.next_request()
+        done = self.store.commit_arena(msg.arena, msg.keys, msg.checksums, msg.offsets, msg.sizes,
+                                       time.monotonic(), self.config.reserve_s, self.config.max_value)
+        for i, (key, obj) in enumerate(zip(msg.keys, done)):
+            if obj is True:         # stored before (the master may have lost it)
+                pw.add(i, key, *self.store.meta(key))
+            elif obj is not None:
+                pw.add(i, key, obj.size, obj.checksum)
+                self.counters["bytes_in"] += obj.size
         return self._acknowledge(pw)
 
     def _acknowledge(self, pw: "PendingWrite"):

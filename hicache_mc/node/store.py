@@ -208,6 +208,34 @@ class TieredStore:
             usage[tenant] += obj.size
         return out
 
+    def commit_arena(self, arena_id: int, keys: list[str], checksums: list[int], offsets: list[int],
+                     sizes: list[int], now: float, hold_s: float, max_size: int) -> list[Optional[bool]]:
+        """Commit objects a writer placed in its arena itself (``DramTier.arena_error`` has
+        checked the places) and renew the arena. Per key: the object committed now; True,
+        stored already (nothing to do: acknowledged); None, not committed (being stored by
+        another writer, over the size limit or over its tenant's quota). Unused space is freed."""
+        dram = self.dram
+        arena = dram.arenas[arena_id]
+        arena.until = now + hold_s
+        objects, reserved = dram.objects, dram.reserved
+        on_ssd = self.ssd.index if self.ssd is not None else {}
+        usage, tenants = self.usage, {}
+        out: list = []
+        for key, checksum, offset, size in zip(keys, checksums, offsets, sizes):
+            if key in objects or key in reserved or key in on_ssd:
+                out.append(self.durable(key) or None)
+                continue
+            ns = key.partition("/")[0]
+            tenant = tenants.get(ns)
+            if tenant is None:
+                tenant = tenants[ns] = tenant_of(ns)
+            if size > max_size or (tenant in self.quotas and not self._within_quota(key, size, now)):
+                out.append(None)
+                continue
+            out.append(dram.place(arena, key, offset, size, checksum))
+            usage[tenant] += size
+        return out
+
     def write(self, key: str, data, checksum: int, now: float) -> bool:
         state = self.durable(key)
         if state is not None:   # stored: success; being stored by another writer: not acknowledged

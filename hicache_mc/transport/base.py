@@ -220,19 +220,19 @@ class LeasedTransport(Transport):
         return out
 
     def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
-        ch = self.channel_for(node.address)
+        ch, sent = self.channel_for(node.address), time.monotonic()
         reply = P.raise_if_error(ch.recv(self.lease(node, [keys[i] for i in idx]), deadline)[0])
         if not self.same_segment(node, reply, keys, idx):
             return []       # misses
-        return self.read_leased(node, idx, keys, ptrs, sizes, reply, deadline, out)[1]
+        return self.read_leased(node, idx, keys, ptrs, sizes, reply, sent + reply.ttl, deadline, out)[1]
 
     def lease(self, node, keys: list[str]) -> int:
         """Send ``LeaseRequest`` without waiting; the request id to receive the reply with."""
         return self.channel_for(node.address).send(P.LeaseRequest(keys))
 
-    def read_leased(self, node, idx, keys, ptrs, sizes, reply, deadline, out) -> tuple[list[int], list[int]]:
-        """Read objects ``idx`` under the Lease ``reply`` (its entries in ``idx`` order) into
-        ``out``: (the indices it read, hit or not; those the node holds only on SSD, for
+    def read_leased(self, node, idx, keys, ptrs, sizes, reply, until, deadline, out) -> tuple[list[int], list[int]]:
+        """Read objects ``idx`` under the Lease ``reply`` (its entries in ``idx`` order; held
+        until ``until`` on this client's clock) into ``out``: (the indices it read, hit or not; those the node holds only on SSD, for
         ``stream``). Leases on objects of another size than asked are given back unread."""
         todo, sums, offs, streamed, spare, spare_offs = [], [], [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
@@ -246,11 +246,11 @@ class LeasedTransport(Transport):
                 spare.append(keys[i])
                 spare_offs.append(off)
         got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
-                         min(deadline, reply.deadline)) if todo else []
+                         min(deadline, until)) if todo else []
         # done with the slots: the node may reuse them now (one Release, not awaited). A
         # failed fetch releases nothing: a transfer it abandoned may still be running.
         self.cancel(node, [keys[i] for i in todo] + spare, offs + spare_offs)
-        if todo and time.monotonic() > reply.deadline:
+        if todo and time.monotonic() > until:
             log.warning("%s read of %d objects outlived its lease; treated as misses",
                         self.name, len(todo))
             return todo, streamed
@@ -265,11 +265,12 @@ class LeasedTransport(Transport):
         return out
 
     def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
+        sent = time.monotonic()
         rid = self.reserve(node, [keys[i] for i in idx], [sizes[i] for i in idx])
         reply = P.raise_if_error(self.channel_for(node.address).recv(rid, deadline)[0])
         if not self.same_segment(node, reply, keys, idx):
             return          # not stored
-        self.fill(node, idx, keys, ptrs, sizes, reply.offsets, reply.deadline, deadline, out)
+        self.fill(node, idx, keys, ptrs, sizes, reply.offsets, sent + reply.ttl, deadline, out)
 
     def same_segment(self, node, reply, keys: list[str], idx: Optional[list[int]] = None) -> bool:
         """Whether a Lease or Reserve reply's offsets (for ``keys[i] for i in idx``, all keys

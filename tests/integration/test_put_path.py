@@ -1,5 +1,6 @@
-"""Puts reserve on the writer's node alongside Place; what the master does not place there is
-given back at once (no reservation is left to expire)."""
+"""Puts reserve on the writer's node alongside Place, or place objects in an arena it lent;
+what the master does not place there is given back at once (no reservation is left to expire,
+and a closing client gives its arenas back)."""
 import numpy as np
 import pytest
 
@@ -14,23 +15,29 @@ def node_stats(address: str) -> dict:
     return reply.stats
 
 
+@pytest.mark.parametrize("arena", [0, 64 << 20], ids=["reserve", "arena"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_repeated_and_deduplicated_puts_leave_no_reservation(store, transport):
+def test_repeated_and_deduplicated_puts_leave_no_reservation(store, transport, arena):
     node = store.cluster.stats()["nodes"][0]["address"]
     src = np.random.default_rng(1).integers(0, 256, 64 << 10, dtype=np.uint8)
-    with StoreClient(store.master, transport=transport) as c:
+    with StoreClient(store.master, transport=transport, arena=arena) as c:
         for round_ in range(3):
             keys = [f"early-{transport}/{round_}/{i}" for i in range(16)]
             assert all(c.batch_put_from(keys, [src.ctypes.data] * 16, [src.nbytes] * 16))
             # half stored already (the master deduplicates them), half new
             mixed = keys[:8] + [f"early-{transport}/{round_}/new{i}" for i in range(8)]
             assert all(c.batch_put_from(mixed, [src.ctypes.data] * 16, [src.nbytes] * 16))
-        assert c.counters["reserve_early"] >= 4
+        if arena:
+            assert c.stats()["client"]["arena_puts"] >= 3 and node_stats(node)["arenas"] >= 1
+        else:
+            assert c.counters["reserve_early"] >= 4
         dst = np.zeros_like(src)
-        assert c.batch_get_into([mixed[-1]], [dst.ctypes.data], [dst.nbytes]) == [True]
-        assert np.array_equal(src, dst)
+        for key in (keys[0], mixed[-1]):
+            assert c.batch_get_into([key], [dst.ctypes.data], [dst.nbytes]) == [True]
+            assert np.array_equal(src, dst)
     st = node_stats(node)
     assert st["reserved"] == 0 and st["objects"] == 3 * 24
+    assert st["arenas"] == 0 and st["arena_bytes"] == 0
 
 
 def test_writer_node_full_then_master_places_elsewhere(cluster):

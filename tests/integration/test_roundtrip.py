@@ -46,6 +46,23 @@ def eventually(fn, timeout_s: float = 2.0):
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_client_whose_clock_is_far_ahead_of_the_nodes_reads_and_writes(store, monkeypatch, transport):
+    """Leases and reservations are granted for a time, not until a time on the node's clock: a
+    client on a host that booted long before the node's (its monotonic clock far ahead) still
+    reads and writes. With absolute node deadlines, every grant looked lapsed to it."""
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 1e6)
+    with StoreClient(store.master, transport=transport) as c:
+        for round_ in range(3):      # the first put, then the early Reserve / Lease paths
+            keys = [f"clock-{transport}/{round_}/{i}" for i in range(4)]
+            srcs = [payload(k, 64 << 10) for k in keys]
+            assert c.batch_put_from(keys, [a.ctypes.data for a in srcs], [64 << 10] * 4) == [True] * 4
+            dsts = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
+            assert c.batch_get_into(keys, [a.ctypes.data for a in dsts], [64 << 10] * 4) == [True] * 4
+            assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+
+
 def test_transports_read_each_others_writes(store):
     with StoreClient(store.master, transport="shm") as shm, StoreClient(store.master, transport="tcp") as tcp:
         a = payload("x/1", 300_000)

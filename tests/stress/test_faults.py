@@ -168,7 +168,10 @@ def test_master_sigkill_and_restart(scluster, profile, tmp_path):
 
     figures = sc.run(inject, restore)
     assert len(set(epochs)) == profile.fault_cycles + 1
-    assert figures["summary"]["client_errors"] > 0         # the clients did notice
+    # the clients did notice: a call in flight when the master died failed, or one sent during
+    # the outage waited for the new master (which one happens depends on timing)
+    summary = figures["summary"]
+    assert summary["client_errors"] > 0 or max(op["max_ms"] for op in summary["ops"].values()) >= 500, summary
     sc.record(figures)
 
 

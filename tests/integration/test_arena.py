@@ -1,0 +1,133 @@
+"""Arenas end to end: a node lends a writer room, the writer's puts place objects in it and
+commit them with their offsets (one round trip to the node instead of two).
+
+Real master and node processes on 127.0.0.1; the node must reject every malformed or stale
+arena commit with an error that names it, keep serving, and account for every byte."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hicache_mc import protocol as P
+from hicache_mc.client import StoreClient
+from procs import request
+
+KiB = 1 << 10
+
+
+def node_stats(address: str) -> dict:
+    reply = request(address, P.NodeStatsRequest())
+    assert isinstance(reply, P.StatsReply), reply
+    return reply.stats
+
+
+def node_of(store) -> str:
+    return store.cluster.stats()["nodes"][0]["address"]
+
+
+def data(key: str, size: int) -> np.ndarray:
+    return np.random.default_rng(abs(hash(key)) % (1 << 32)).integers(0, 256, size, dtype=np.uint8)
+
+
+def put_and_check(c: StoreClient, keys: list[str], size: int) -> None:
+    srcs = [data(k, size) for k in keys]
+    assert c.batch_put_from(keys, [a.ctypes.data for a in srcs], [size] * len(keys)) == [True] * len(keys)
+    dsts = [np.zeros(size, np.uint8) for _ in keys]
+    assert c.batch_get_into(keys, [a.ctypes.data for a in dsts], [size] * len(keys)) == [True] * len(keys)
+    assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_puts_go_through_an_arena_and_every_byte_is_accounted_for(store, transport):
+    """Four threads share one client; whichever put holds the arenas places its objects there,
+    the others reserve. Afterwards every object reads back, and once the client has closed
+    (giving its arenas back) the node's used bytes are exactly its objects'."""
+    node = node_of(store)
+    sizes = [1000, 4 * KiB, 64 * KiB]
+    with StoreClient(store.master, transport=transport) as c:
+        errors = []
+
+        def writer(t: int) -> None:
+            try:
+                for r in range(12):
+                    put_and_check(c, [f"ar-{transport}/{t}/{r}/{i}" for i in range(8)], sizes[r % 3])
+            except AssertionError as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert c.stats()["client"]["arena_puts"] >= 12
+        assert node_stats(node)["arenas"] >= 1
+    st = node_stats(node)
+    assert st["objects"] == 4 * 12 * 8 and st["reserved"] == 0
+    assert st["arenas"] == 0 and st["arena_bytes"] == 0
+    rounded = [max(256, -(-s // 256) * 256) for s in sizes]
+    assert st["used"] == 4 * 4 * 8 * sum(rounded)
+
+
+def test_malformed_arena_requests_get_errors_that_name_them(store):
+    node = node_of(store)
+    reply = request(node, P.ArenaRequest(-1))
+    assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request" and "size" in reply.message
+    lent = request(node, P.ArenaRequest(1 << 20))
+    assert isinstance(lent, P.ArenaReply) and lent.arena and lent.size == 1 << 20 and lent.ttl > 0
+    start, end = lent.offset, lent.offset + lent.size
+    cases = [
+        (P.CommitRequest(["k"], [1], [start], lent.arena, []), "bad_request", "one size per key"),
+        (P.CommitRequest(["k"], [1], [start + 1], lent.arena, [10]), "bad_request", "aligned"),
+        (P.CommitRequest(["k"], [1], [end - 256], lent.arena, [1024]), "bad_request", "past the arena's end"),
+        (P.CommitRequest(["k", "l"], [1, 2], [start + 512, start], lent.arena, [10, 10]), "bad_request",
+         "at or after"),
+        (P.CommitRequest(["k"], [1], [start], lent.arena + 1, [10]), "unknown_arena", "no such arena"),
+    ]
+    for msg, code, words in cases:
+        reply = request(node, msg)
+        assert isinstance(reply, P.ErrorReply) and reply.code == code and words in reply.message, (msg, reply)
+    # nothing was committed by the refused requests; a good commit still works
+    reply = request(node, P.CommitRequest(["good"], [P_sum := 5], [start], lent.arena, [10]))
+    assert isinstance(reply, P.CommitReply) and reply.ok == [True] and P_sum == 5
+    st = node_stats(node)
+    assert st["objects"] == 1 and st["arenas"] == 1
+    request(node, P.ArenaRequest(0, give_back=lent.arena))
+    assert node_stats(node)["arena_bytes"] == 0
+
+
+def test_an_arena_the_node_no_longer_knows_sends_the_put_the_ordinary_way(store):
+    with StoreClient(store.master) as c:
+        for r in range(3):
+            put_and_check(c, [f"gone/{r}/{i}" for i in range(4)], 8 * KiB)
+        assert c._arenas.held
+        for arena in c._arenas.held:
+            arena.id += 1                    # as if the node had restarted at the same address
+        before = c.stats()["client"]["arena_puts"]
+        put_and_check(c, [f"gone/after/{i}" for i in range(4)], 8 * KiB)   # refused: written anyway
+        assert not c._arenas.held
+        for r in range(2):          # the next put asks for a new arena, the one after uses it
+            put_and_check(c, [f"gone/again/{r}/{i}" for i in range(4)], 8 * KiB)
+        assert c.stats()["client"]["arena_puts"] == before + 1
+
+
+def test_an_unused_arena_lapses_on_the_node_and_the_client_moves_on(cluster):
+    cluster.env["HICACHE_MC_RESERVE_S"] = "1.0"
+    cluster.start_master()
+    node = cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    with StoreClient(cluster.master) as c:
+        for r in range(3):
+            put_and_check(c, [f"lapse/{r}/{i}" for i in range(4)], 8 * KiB)
+        assert node_stats(node.address)["arenas"] >= 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:      # lapses after 1 s, then a 2 s lease of quarantine
+            st = node_stats(node.address)
+            if not st["arena_bytes"] and not st["quarantined"]:
+                break
+            time.sleep(0.2)
+        st = node_stats(node.address)
+        assert st["arenas"] == 0 and st["arena_bytes"] == 0 and st["quarantined"] == 0
+        for r in range(3):
+            put_and_check(c, [f"lapse/after/{r}/{i}" for i in range(4)], 8 * KiB)
+    assert "expired unused" in node.log()
