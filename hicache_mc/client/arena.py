@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 LEFT_MIN = 0.25         # an arena with less than this share of its loan left is given back
 ASK_WAIT_S = 0.25       # a put waits this long at most for the arena it asked for
 MIN_ASK = 1 << 20       # an arena asked for holds the next put like the asking one, or this much
+SHORT_S = 10.0          # a node that lent less than asked is not asked for more for this long
 
 
 def _taken(size: int) -> int:
@@ -78,6 +79,7 @@ class Arenas:
         self.lock = threading.Lock()    # held by the put using them, from begin() to end()
         self.held: list[Arena] = []
         self.puts = 0                   # puts that went through an arena
+        self.most: dict[str, tuple[int, float]] = {}  # node id -> (what it lent when short, until)
 
     def begin(self, node: P.NodeInfo, ch: Channel, sizes: list[int]) -> Optional[Use]:
         """A turn for a put of ``sizes`` to ``node`` (``ch``: this thread's channel to it), or
@@ -85,7 +87,9 @@ class Arenas:
         ended with ``end``; ``ask`` sends what it asks for and gives back."""
         taken = [_taken(s) for s in sizes]
         need = sum(taken)
-        if need > self.limit or not self.lock.acquire(blocking=False):
+        most, until = self.most.get(node.node_id, (need, 0.0))
+        if need > self.limit or (need > most and time.monotonic() < until) \
+                or not self.lock.acquire(blocking=False):
             return None
         use = Use(node, ch)
         now = time.monotonic()
@@ -99,15 +103,18 @@ class Arenas:
                     self._done(full, use)
                 use.arena, use.offsets = arena, offsets
                 break
+        else:
+            for full in list(self.held):     # none has room for it: done with them all
+                self._done(full, use)
         if len(self.held) < 2 and sum(a.end - a.cursor for a in self.held) < need:
             use.want = min(self.limit, max(need, MIN_ASK))   # the next put like this one
         return use
 
     def _done(self, arena: Arena, use: Optional[Use]) -> None:
         """Stop using ``arena``; its unused rest goes back with ``use``'s request (None: the
-        node restarted, the arena is gone anyway). A used-up one the node dropped itself."""
+        node restarted, or the writer moved to another node: it lapses there)."""
         self.drop(arena)
-        if use is not None and arena.cursor < arena.end:
+        if use is not None:
             use.give_back.append(arena.id)
 
     def ask(self, use: Use) -> None:
@@ -139,6 +146,9 @@ class Arenas:
             if reply.arena and nodes.get(use.node.node_id) is use.node \
                     and reply.segment == P.segment_of(use.node):
                 self.held.append(Arena(use.node, reply, sent))
+            if reply.size < use.want:   # its cap (1/16 of its DRAM) or its free room: puts
+                # bigger than that reserve as usual for a while
+                self.most[use.node.node_id] = (reply.size, time.monotonic() + SHORT_S)
         finally:
             self.lock.release()
 

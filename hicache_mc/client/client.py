@@ -422,7 +422,11 @@ class StoreClient:
         mch = self._channel(self.config.master)
         place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
         writer = self._early(self._writer, sizes)
-        use = None if writer is None else self._arenas.begin(writer[0], self._channel(writer[0].address), sizes)
+        # arenas over shm only: its mapping is of one segment, so a copy into an arena of a node
+        # that restarted at the same address lands in the dead segment; tcp and the TE would
+        # write into the new one's live objects before a reply could say it had restarted
+        use = None if writer is None or writer[1] is not self.shm else \
+            self._arenas.begin(writer[0], self._channel(writer[0].address), sizes)
         try:
             return self._put_placed(mch, place_rid, writer, use, keys, ptrs, sizes, deadline)
         finally:

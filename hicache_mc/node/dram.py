@@ -317,7 +317,7 @@ class DramTier:
         if self.alloc.used > self.high:
             # quarantined bytes come back by themselves once their leases end
             victims = iter(list(self.objects.items()))
-            while self.alloc.used - self._quarantined_bytes > self.low:
+            while self.alloc.used - self._quarantined_bytes - self.arena_bytes > self.low:
                 if not self._evict_next(victims, now):
                     break
 

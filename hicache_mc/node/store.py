@@ -221,6 +221,7 @@ class TieredStore:
         on_ssd = self.ssd.index if self.ssd is not None else {}
         usage, tenants = self.usage, {}
         out: list = []
+        placed: set = set()     # a quota must not evict what this commit placed
         for key, checksum, offset, size in zip(keys, checksums, offsets, sizes):
             if key in objects or key in reserved or key in on_ssd:
                 out.append(self.durable(key) or None)
@@ -229,7 +230,12 @@ class TieredStore:
             tenant = tenants.get(ns)
             if tenant is None:
                 tenant = tenants[ns] = tenant_of(ns)
-            if size > max_size or (tenant in self.quotas and not self._within_quota(key, size, now)):
+            if tenant in self.quotas:
+                if size > max_size or not self._within_quota(key, size, now, keep=frozenset(placed)):
+                    out.append(None)
+                    continue
+                placed.add(key)
+            elif size > max_size:
                 out.append(None)
                 continue
             out.append(dram.place(arena, key, offset, size, checksum))
@@ -254,9 +260,10 @@ class TieredStore:
 
     # ------------------------------------------------------------ tenants
 
-    def _within_quota(self, key: str, size: int, now: float, evict: bool = True) -> bool:
-        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects
-        (``evict=False``: only say whether it fits now)."""
+    def _within_quota(self, key: str, size: int, now: float, evict: bool = True,
+                      keep: frozenset = frozenset()) -> bool:
+        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects,
+        never those in ``keep`` (``evict=False``: only say whether it fits now)."""
         tenant = tenant_of(key)
         quota = self.quotas.get(tenant)
         if quota is None:
@@ -269,7 +276,8 @@ class TieredStore:
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
             victims += [k for k in self.ssd.index if k not in self.dram.objects and tenant_of(k) == tenant]
-        victims += [k for k, o in self.dram.objects.items() if not o.busy and tenant_of(k) == tenant]
+        victims += [k for k, o in self.dram.objects.items()
+                    if not o.busy and k not in keep and tenant_of(k) == tenant]
         for k in victims:
             if need <= 0:
                 break
@@ -359,7 +367,7 @@ class TieredStore:
         if excess is None:
             if dram.alloc.used <= dram.high:
                 return
-            excess = dram.alloc.used - dram._quarantined_bytes - dram.low
+            excess = dram.alloc.used - dram._quarantined_bytes - dram.arena_bytes - dram.low
         if excess <= 0 or self._demoting:
             return
         items, batch = [], 0

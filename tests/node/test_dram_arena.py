@@ -105,3 +105,22 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(s
     assert commit(store, arena, [("ns@t/b", start + 2048, 800), ("ns@t/c", start + 4096, 2000)]) == ["new", None]
     assert "ns@t/a" not in dram.objects and "other/x" in dram.objects
     assert store.drain_dropped() == ["ns@t/a"] and store.usage["t"] == 800
+
+
+def test_a_quota_never_evicts_what_the_same_commit_placed(store):
+    dram = store.dram
+    store.quotas = {"t": 1000}
+    arena, start, _ = dram.open_arena(64 * KiB, 0.0, 10.0)
+    assert commit(store, arena, [("ns@t/a", start, 800), ("ns@t/b", start + 1024, 800)]) == ["new", None]
+    assert "ns@t/a" in dram.objects and store.usage["t"] == 800
+
+
+def test_lent_room_does_not_count_as_objects_to_evict(store):
+    dram = store.dram                       # 1 MiB: high 0.9 MiB, low 0.5 MiB
+    arena, _, size = dram.open_arena(128 * KiB, 0.0, 10.0)
+    for i in range(7):
+        assert dram.write(f"k{i}", memoryview(bytes(128 * KiB)), 1, now=float(i))
+    assert dram.alloc.used == 8 * 128 * KiB
+    store.maintain(10.0)
+    # objects down to the low watermark; the arena's room is not made up for by evicting more
+    assert len(dram.objects) == 4 and arena in dram.arenas
