@@ -155,7 +155,7 @@ class ClientConfig:
     # send requests through the master's and nodes' direct ports (plain TCP: one hop instead
     # of ZeroMQ's three per message) where they have one; false = ZeroMQ only
     direct: bool = True
-    # room to borrow from the node on this host (over shm) and place puts in without reserving
+    # room to borrow from the node on this host (shm, tcp) and place puts in without reserving
     # first (one round trip instead of two); a node lends at most 1/16 of its DRAM. 0 = never
     arena: int = size_field("64MiB")
     # Mooncake transport (used only when it is chosen; see docs/operations.md)

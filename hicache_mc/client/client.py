@@ -422,10 +422,10 @@ class StoreClient:
         mch = self._channel(self.config.master)
         place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
         writer = self._early(self._writer, sizes)
-        # arenas over shm only: its mapping is of one segment, so a copy into an arena of a node
-        # that restarted at the same address lands in the dead segment; tcp and the TE would
-        # write into the new one's live objects before a reply could say it had restarted
-        use = None if writer is None or writer[1] is not self.shm else \
+        # arenas over shm and tcp: a copy into an arena of a node that restarted at the same
+        # address lands in the dead segment (shm's mapping) or is refused (the stream port
+        # checks the segment); a TE write is one-sided, and no node would check it
+        use = None if writer is None or writer[1] is self.te else \
             self._arenas.begin(writer[0], self._channel(writer[0].address), sizes)
         try:
             return self._put_placed(mch, place_rid, writer, use, keys, ptrs, sizes, deadline)

@@ -88,7 +88,8 @@ class StorageNode(Service):
         self.dram = dram
         self.te = self._transfer_engine(config, dram)
         try:
-            self.streams = StreamServer(dram.mm, config.host, config.data_port, config.token, HEADER_BYTES)
+            self.streams = StreamServer(dram.mm, config.host, config.data_port, config.token, HEADER_BYTES,
+                                        seg_id)
         except OSError:
             if self.te is not None:
                 self.te.close()

@@ -10,7 +10,8 @@ bytes; each connection is served by a thread that only moves them.
 Wire format (one request at a time per connection; ``!`` = network byte order):
 
     request   !I header length, then a msgpack map
-              {"v": STREAM_VERSION, "token": str, "op": "read" | "write", "ranges": [[offset, size], ...]}
+              {"v": STREAM_VERSION, "token": str, "op": "read" | "write", "segment": str,
+               "ranges": [[offset, size], ...]}
               a write is followed by the ranges' bytes, back to back
     reply     one status byte: 0 = done; then a read's bytes, back to back, or for a write
               !I length and a msgpack list of the xxh3-64 of each range as stored
@@ -18,7 +19,9 @@ Wire format (one request at a time per connection; ``!`` = network byte order):
 
 A range must lie inside the segment's data area; what it may touch is decided by the lease
 or reservation the client obtained, exactly as for ``shm`` and the TE, and the token guards
-the port like the ZeroMQ one.
+the port like the ZeroMQ one. ``segment`` is the id of the segment the client's offsets are
+in: a node that restarted at the same address (and port) refuses offsets into its
+predecessor's segment instead of writing them over its own objects.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from .base import CHUNK, buffer_at
 
 log = logging.getLogger(__name__)
 
-STREAM_VERSION = 1
+STREAM_VERSION = 2   # 2: requests name their segment
 MAX_CONNECTIONS = 256
 _LEN = struct.Struct("!I")
 OK, REFUSED = b"\0", b"\1"
@@ -91,10 +94,10 @@ class StreamServer:
     """A listening socket and one thread per connection, serving ranges of ``mm`` from
     ``low`` (the end of the segment header) to its end."""
 
-    def __init__(self, mm: mmap.mmap, host: str, port: int, token: str, low: int):
+    def __init__(self, mm: mmap.mmap, host: str, port: int, token: str, low: int, segment: str):
         self._anchor = ctypes.c_char.from_buffer(mm)
         self.base, self.size, self.low = ctypes.addressof(self._anchor), len(mm), low
-        self.token = token
+        self.token, self.segment = token, segment
         self.listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -175,7 +178,11 @@ class StreamServer:
         op = head.get("op")
         if op not in ("read", "write"):
             raise ProtocolError(f"op must be read or write, got {op!r}")
-        return op, _check_ranges(head.get("ranges"), self.low, self.size)
+        ranges = _check_ranges(head.get("ranges"), self.low, self.size)
+        if head.get("segment") != self.segment:
+            raise ProtocolError(f"offsets of segment {head.get('segment')!r}, this node's is {self.segment} "
+                                "(it restarted)")
+        return op, ranges
 
     def close(self) -> None:
         """Stop accepting, cut every connection, wait for their threads (they touch the
@@ -238,8 +245,8 @@ class StreamClient:
                 self._all.discard(sock)
             sock.close()
 
-    def _request(self, sock: socket.socket, op: str, offsets, sizes) -> None:
-        head = msgpack.packb({"v": STREAM_VERSION, "token": self.token, "op": op,
+    def _request(self, sock: socket.socket, op: str, segment: str, offsets, sizes) -> None:
+        head = msgpack.packb({"v": STREAM_VERSION, "token": self.token, "op": op, "segment": segment,
                               "ranges": [[o, s] for o, s in zip(offsets, sizes)]})
         sock.sendall(_LEN.pack(len(head)) + head)
 
@@ -265,23 +272,23 @@ class StreamClient:
                 raise
             raise StoreUnavailable(f"stream {what} {address}: {exc}") from None
 
-    def read(self, address: str, offsets: Sequence[int], dsts: Sequence[int], sizes: Sequence[int],
-             deadline: float, digest: bool) -> list[Optional[int]]:
-        """Fill ``dsts[i]`` with the node's ``[offsets[i], +sizes[i])``; with ``digest``, the
-        xxh3-64 of each, taken chunk by chunk as it arrives (from cache)."""
+    def read(self, address: str, segment: str, offsets: Sequence[int], dsts: Sequence[int],
+             sizes: Sequence[int], deadline: float, digest: bool) -> list[Optional[int]]:
+        """Fill ``dsts[i]`` with the node's ``[offsets[i], +sizes[i])`` of ``segment``; with
+        ``digest``, the xxh3-64 of each, taken chunk by chunk as it arrives (from cache)."""
         with self._session(address, deadline, "read from") as sock:
-            self._request(sock, "read", offsets, sizes)
+            self._request(sock, "read", segment, offsets, sizes)
             self._status(sock, address)
             return [_recv_hash(sock, buffer_at(ptr, size), digest, deadline)
                     for ptr, size in zip(dsts, sizes)]
 
-    def write(self, address: str, offsets: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-              deadline: float) -> list[int]:
-        """Send caller memory ``srcs[i]`` into the node's ``[offsets[i], +sizes[i])``; the
+    def write(self, address: str, segment: str, offsets: Sequence[int], srcs: Sequence[int],
+              sizes: Sequence[int], deadline: float) -> list[int]:
+        """Send caller memory ``srcs[i]`` into the node's ``[offsets[i], +sizes[i])`` of ``segment``; the
         xxh3-64 of each as the node stored it (it hashes each chunk as it lands: on a 2-core
         loopback test this made writes ~25 % faster than hashing on the sending side)."""
         with self._session(address, deadline, "write to") as sock:
-            self._request(sock, "write", offsets, sizes)
+            self._request(sock, "write", segment, offsets, sizes)
             for ptr, size in zip(srcs, sizes):
                 if size:
                     sock.settimeout(max(0.001, deadline - time.monotonic()))

@@ -45,10 +45,10 @@ class TcpTransport(LeasedTransport):
         return super().write(node, keys, ptrs, sizes, deadline)
 
     def fetch(self, node, offsets, dsts, sizes, until):
-        return self.streams.read(node.data_address, offsets, dsts, sizes, until, self.verify)
+        return self.streams.read(node.data_address, P.segment_of(node), offsets, dsts, sizes, until, self.verify)
 
     def store(self, node, offsets, srcs, sizes, until):
-        return self.streams.write(node.data_address, offsets, srcs, sizes, until)
+        return self.streams.write(node.data_address, P.segment_of(node), offsets, srcs, sizes, until)
 
     def close(self) -> None:
         self.streams.close()

@@ -27,7 +27,7 @@ def test_repeated_and_deduplicated_puts_leave_no_reservation(store, transport, a
             # half stored already (the master deduplicates them), half new
             mixed = keys[:8] + [f"early-{transport}/{round_}/new{i}" for i in range(8)]
             assert all(c.batch_put_from(mixed, [src.ctypes.data] * 16, [src.nbytes] * 16))
-        if arena and transport == "shm":
+        if arena:
             assert c.stats()["client"]["arena_puts"] >= 3 and node_stats(node)["arenas"] >= 1
         else:
             assert c.counters["reserve_early"] >= 4

@@ -76,6 +76,10 @@ def stream_request(address: str, header, trailer: bytes = b"") -> tuple[bytes, s
         return status, reason.decode()
 
 
+def segment(node: dict) -> str:
+    return node["shm_path"].rsplit("-", 1)[-1]
+
+
 def good(**over):
     head = {"v": STREAM_VERSION, "token": "", "op": "read", "ranges": [[4096, 16]]}
     head.update(over)
@@ -106,6 +110,18 @@ def test_bad_stream_requests_are_refused_and_the_node_keeps_serving(store, name,
     assert node_stats(node["address"])["stream_refused"] >= 1
 
 
+def test_offsets_of_another_segment_are_refused(store):
+    """A client still holding the record of a node that restarted at the same address must
+    not write its offsets into the new node's segment (over its objects)."""
+    node = node_record(store)
+    status, reason = stream_request(node["data_address"], good(segment="0ld5e9"))
+    assert status == b"\1" and "restarted" in reason, reason
+    head = good(op="write", segment="0ld5e9")
+    status, reason = stream_request(node["data_address"], head, trailer=b"x" * 16)
+    assert status == b"\1" and "restarted" in reason, reason
+    assert stream_request(node["data_address"], good(segment=segment(node)))[0] == b"\0"
+
+
 def test_oversized_header_is_refused_before_it_is_read(store):
     host, port = node_record(store)["data_address"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -122,7 +138,7 @@ def test_stream_port_checks_the_token(tmp_path):
         status, reason = stream_request(node["data_address"], good())
         assert status == b"\1" and "token" in reason
         assert stream_request(node["data_address"], good(token="wrong"))[0] == b"\1"
-        assert stream_request(node["data_address"], good(token="s3cret"))[0] == b"\0"
+        assert stream_request(node["data_address"], good(token="s3cret", segment=segment(node)))[0] == b"\0"
         with StoreClient(cluster.master, transport="tcp", token="s3cret") as c:
             assert c.put("tok/a", b"x" * 5000) and c.get("tok/a") == b"x" * 5000
     finally:
