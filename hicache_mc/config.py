@@ -155,9 +155,11 @@ class ClientConfig:
     # send requests through the master's and nodes' direct ports (plain TCP: one hop instead
     # of ZeroMQ's three per message) where they have one; false = ZeroMQ only
     direct: bool = True
-    # room to borrow from the node on this host (shm, tcp) and place puts in without reserving
-    # first (one round trip instead of two); a node lends at most 1/16 of its DRAM. 0 = never
-    arena: int = size_field("64MiB")
+    # room to borrow from the node on this host (shm, tcp) and place puts of up to this many
+    # bytes in without reserving first (one round trip instead of two: worth it for small
+    # objects; a big put's copy dwarfs the round trip); a node lends at most 1/16 of its DRAM.
+    # 0 = never
+    arena: int = size_field("16MiB")
     # Mooncake transport (used only when it is chosen; see docs/operations.md)
     te_protocol: str = ""              # "" = what the node publishes; tcp | rdma
     # NIC filter: "mlx5_0", "mlx5_0,mlx5_1", or a per-rank JSON map {"0": "mlx5_0", "1": "mlx5_1"}
