@@ -6,8 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -174,3 +175,20 @@ class Store:
 
     def kill(self) -> None:
         self.cluster.serve_proc.kill()
+
+
+def in_threads(work: Callable[[int], None], n: int) -> list[BaseException]:
+    """Run ``work(0)`` .. ``work(n - 1)`` in ``n`` threads at once; the exceptions they raised."""
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except Exception as exc:  # collected for the caller to assert on
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

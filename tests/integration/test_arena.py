@@ -11,7 +11,7 @@ import pytest
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
-from procs import request
+from procs import in_threads, request
 
 KiB = 1 << 10
 
@@ -46,20 +46,10 @@ def test_puts_go_through_an_arena_and_every_byte_is_accounted_for(store, transpo
     node = node_of(store)
     sizes = [1000, 4 * KiB, 64 * KiB]
     with StoreClient(store.master, transport=transport) as c:
-        errors = []
-
         def writer(t: int) -> None:
-            try:
-                for r in range(12):
-                    put_and_check(c, [f"ar-{transport}/{t}/{r}/{i}" for i in range(8)], sizes[r % 3])
-            except AssertionError as exc:
-                errors.append(exc)
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+            for r in range(12):
+                put_and_check(c, [f"ar-{transport}/{t}/{r}/{i}" for i in range(8)], sizes[r % 3])
+        assert not in_threads(writer, 4)
         assert c.stats()["client"]["arena_puts"] >= 12
         assert node_stats(node)["arenas"] >= 1
     st = node_stats(node)

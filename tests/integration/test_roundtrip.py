@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hicache_mc.client import StoreClient
+from procs import in_threads
 
 SIZES = [1 << 10, 64 << 10, 1 << 20, 8 << 20]
 
@@ -136,25 +137,15 @@ def test_clear_by_prefix(store):
 
 
 def test_threads_share_one_client(store):
-    import threading
-    errors = []
     with StoreClient(store.master) as c:
         def work(t):
-            try:
-                for i in range(20):
-                    k = f"th/{t}/{i}"
-                    data = payload(k, 10_000 + i)
-                    assert c.put(k, data)
-                    assert c.get(k) == data.tobytes()
-                    assert c.batch_exists([k]) == 1
-            except Exception as exc:  # collected and asserted below
-                errors.append(exc)
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors
+            for i in range(20):
+                k = f"th/{t}/{i}"
+                data = payload(k, 10_000 + i)
+                assert c.put(k, data)
+                assert c.get(k) == data.tobytes()
+                assert c.batch_exists([k]) == 1
+        assert not in_threads(work, 4)
 
 
 def test_per_key_answers_go_past_holes(store):
