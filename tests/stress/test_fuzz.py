@@ -42,7 +42,7 @@ REPLIES = sorted(n for n in P._REGISTRY if not n.endswith("Request"))
 # Requests each server serves (a well-formed membership message can legitimately re-route
 # data: see the module docstring); typed requests go to a server that serves them, mostly.
 NODE_TYPES = ["ReadRequest", "LeaseRequest", "WriteRequest", "ReserveRequest", "CommitRequest",
-              "ClearRequest", "NodeStatsRequest"]
+              "ArenaRequest", "ClearRequest", "NodeStatsRequest"]
 MASTER_TYPES = ["ExistsRequest", "LocateRequest", "PlaceRequest", "StatsRequest", "CommittedRequest",
                 "EvictedRequest"]
 
@@ -227,6 +227,7 @@ def corpus() -> list[list[bytes]]:
             (P.ReadRequest(keys), []), (P.LeaseRequest(keys), []),
             (P.WriteRequest(keys, [1, 2]), [b"x" * 10, b"y" * 20]),
             (P.ReserveRequest(keys, [10, 20]), []), (P.CommitRequest(keys, [1, 2], [0, 256]), []),
+            (P.ArenaRequest(1 << 20), []), (P.CommitRequest(keys, [1, 2], [4096, 4352], 7, [10, 20]), []),
             (P.NodeStatsRequest(), []), (P.CommittedRequest("nobody", keys, [1, 2], [3, 4]), []),
             (P.EvictedRequest("nobody", keys), [])]
     return [P.encode(m, 7, payload=pl) for m, pl in msgs]
