@@ -143,17 +143,18 @@ class StreamServer:
                     reason = str(exc).encode()
                     conn.sendall(REFUSED + _LEN.pack(len(reason)) + reason)
                     return
+                # counted before the reply: a client that has its answer sees it in the stats
                 if op == "read":
+                    self.counters["stream_reads"] += len(ranges)
                     conn.sendall(OK)
                     for off, size in ranges:
                         if size:
                             conn.sendall(buffer_at(self.base + off, size))
-                    self.counters["stream_reads"] += len(ranges)
                 else:   # each chunk hashed right after it lands (from cache)
                     sums = [_recv_hash(conn, buffer_at(self.base + off, size)) for off, size in ranges]
                     body = msgpack.packb(sums)
-                    conn.sendall(OK + _LEN.pack(len(body)) + body)
                     self.counters["stream_writes"] += len(ranges)
+                    conn.sendall(OK + _LEN.pack(len(body)) + body)
         except OSError:
             pass            # the client vanished mid-transfer: its lease or reservation lapses
         finally:
