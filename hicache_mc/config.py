@@ -157,7 +157,8 @@ class ClientConfig:
     direct: bool = True
     # room to borrow from the node on this host (shm, tcp) and place puts of up to this many
     # bytes in without reserving first (one round trip instead of two: worth it for small
-    # objects; a big put's copy dwarfs the round trip); a node lends at most 1/16 of its DRAM.
+    # objects; a big put's copy dwarfs the round trip); a node lends at most 1/16 of its DRAM
+    # per arena and 1/4 in all.
     # 0 = never
     arena: int = size_field("16MiB")
     # Mooncake transport (used only when it is chosen; see docs/operations.md)

@@ -138,7 +138,8 @@ class Arenas:
                 return
             rid, sent = use.asked
             try:
-                reply = P.raise_if_error(use.ch.recv(rid, time.monotonic() + ASK_WAIT_S)[0])
+                # reset=False: a late answer must not cost this thread its channel
+                reply = P.raise_if_error(use.ch.recv(rid, time.monotonic() + ASK_WAIT_S, reset=False)[0])
             except HicacheError as exc:
                 use.ch.forget([rid])
                 log.debug("no arena from %s: %s", use.node.node_id, exc)

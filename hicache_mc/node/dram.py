@@ -31,6 +31,7 @@ from .allocator import SlotAllocator
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
+ARENA_SHARE = 0.25           # at most this share of the segment is lent out in arenas at once
 
 
 @dataclass
@@ -145,9 +146,11 @@ class DramTier:
 
     def open_arena(self, size: int, now: float, hold_s: float) -> Optional[tuple[int, int, int]]:
         """(id, offset, size) of a region of ``size`` bytes (rounded down to SLOT_ALIGN) of free
-        space below the high watermark, lent until now+hold_s; None when there is none."""
+        space below the high watermark, lent until now+hold_s; None when there is none, or
+        when arenas would hold more than ARENA_SHARE of the segment (lent room is not evictable)."""
         size -= size % SLOT_ALIGN
-        if size <= 0 or self.alloc.used + size > self.high:
+        if size <= 0 or self.alloc.used + size > self.high or \
+                self.arena_bytes + size > self.capacity * ARENA_SHARE:
             return None
         self._release_quarantine(now)
         offset = self.alloc.allocate(size)

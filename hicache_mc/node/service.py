@@ -118,6 +118,7 @@ class StorageNode(Service):
         self._mconn: Optional[DirectConnection] = None
         self._announced = False     # registered (with the inventory) on the current channel
         self._req = 0
+        self._register_req = 0     # request id of the latest RegisterRequest
         self._seq = 0                           # Committed messages sent (see the docstring)
         # req_id -> (deadline, client ident, client req id, reply, reply if the master refuses)
         self._pending: dict[int, tuple[float, bytes, int, P.Message, P.Message]] = {}
@@ -190,6 +191,7 @@ class StorageNode(Service):
             return
         self._announced = True
         self._to_master(P.RegisterRequest(self.info.to_dict()))
+        self._register_req = self._req
         items = self.store.inventory()
         for i in range(0, len(items), INVENTORY_CHUNK):
             chunk = items[i: i + INVENTORY_CHUNK]
@@ -262,15 +264,19 @@ class StorageNode(Service):
             self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
             self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
-            # (while registering, epoch is None and tick retries: no second registration here)
-            if self.epoch is not None and (not msg.known or msg.epoch != self.epoch):
+            # (while registering, epoch is None and tick retries: no second registration here;
+            # nor for a heartbeat sent before this registration, e.g. queued over ZeroMQ while
+            # the master was down, that reached it before the registration did)
+            if self.epoch is not None and req_id > self._register_req and \
+                    (not msg.known or msg.epoch != self.epoch):
                 log.info("master epoch %s (was %s): registering again", msg.epoch, self.epoch)
                 if msg.epoch != self.epoch and self._mconn is None:
                     self._master_direct = None      # a new master may have a direct port
                 self._reregister(time.monotonic())
         elif isinstance(msg, P.ErrorReply):
             log.warning("master refused a request: %s %s", msg.code, msg.message)
-            if msg.code == "unknown_node" and time.monotonic() >= self._next_register:
+            if msg.code == "unknown_node" and req_id > self._register_req and \
+                    time.monotonic() >= self._next_register:
                 self._reregister(time.monotonic())
         waiter = self._pending.pop(req_id, None)
         if waiter is not None:
@@ -376,7 +382,7 @@ class StorageNode(Service):
         now = time.monotonic()
         if msg.give_back:
             self.dram.close_arena(msg.give_back, now)
-        # at most 1/16 of the segment per writer: lent space is not evictable
+        # at most 1/16 of the segment per arena (and dram.ARENA_SHARE in all): lent room is not evictable
         got = self.dram.open_arena(min(msg.size, self.dram.capacity // 16), now, self.config.reserve_s) \
             if msg.size else None
         arena, offset, size = got or (0, -1, 0)
@@ -406,8 +412,8 @@ class StorageNode(Service):
         done = self.store.commit_arena(msg.arena, msg.keys, msg.checksums, msg.offsets, msg.sizes,
                                        time.monotonic(), self.config.reserve_s, self.config.max_value)
         for i, (key, obj) in enumerate(zip(msg.keys, done)):
-            if obj is True:         # stored before (the master may have lost it)
-                pw.add(i, key, *self.store.meta(key))
+            if isinstance(obj, tuple):  # stored before (the master may have lost it)
+                pw.add(i, key, *obj)
             elif obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
                 self.counters["bytes_in"] += obj.size

@@ -23,7 +23,7 @@ import logging
 import queue
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import Container, Optional
 
 from ..keys import tenant_of
 from .dram import DramTier, Obj
@@ -211,9 +211,10 @@ class TieredStore:
     def commit_arena(self, arena_id: int, keys: list[str], checksums: list[int], offsets: list[int],
                      sizes: list[int], now: float, hold_s: float, max_size: int) -> list[Optional[bool]]:
         """Commit objects a writer placed in its arena itself (``DramTier.arena_error`` has
-        checked the places) and renew the arena. Per key: the object committed now; True,
-        stored already (nothing to do: acknowledged); None, not committed (being stored by
-        another writer, over the size limit or over its tenant's quota). Unused space is freed."""
+        checked the places) and renew the arena. Per key: the object committed now; (size,
+        checksum) of a copy stored already (nothing to do: acknowledged); None, not committed
+        (being stored by another writer, over the size limit or over its tenant's quota).
+        Unused space is freed. A quota never evicts a key this commit answers for."""
         dram = self.dram
         arena = dram.arenas[arena_id]
         arena.until = now + hold_s
@@ -221,20 +222,23 @@ class TieredStore:
         on_ssd = self.ssd.index if self.ssd is not None else {}
         usage, tenants = self.usage, {}
         out: list = []
-        placed: set = set()     # a quota must not evict what this commit placed
+        answered: set = set()   # a quota must not evict what this commit acknowledges
         for key, checksum, offset, size in zip(keys, checksums, offsets, sizes):
             if key in objects or key in reserved or key in on_ssd:
-                out.append(self.durable(key) or None)
+                stored = self.durable(key)
+                out.append(self.meta(key) if stored else None)
+                if stored:
+                    answered.add(key)
                 continue
             ns = key.partition("/")[0]
             tenant = tenants.get(ns)
             if tenant is None:
                 tenant = tenants[ns] = tenant_of(ns)
             if tenant in self.quotas:
-                if size > max_size or not self._within_quota(key, size, now, keep=frozenset(placed)):
+                if size > max_size or not self._within_quota(key, size, now, keep=answered):
                     out.append(None)
                     continue
-                placed.add(key)
+                answered.add(key)
             elif size > max_size:
                 out.append(None)
                 continue
@@ -261,7 +265,7 @@ class TieredStore:
     # ------------------------------------------------------------ tenants
 
     def _within_quota(self, key: str, size: int, now: float, evict: bool = True,
-                      keep: frozenset = frozenset()) -> bool:
+                      keep: Container[str] = frozenset()) -> bool:
         """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects,
         never those in ``keep`` (``evict=False``: only say whether it fits now)."""
         tenant = tenant_of(key)
@@ -275,7 +279,8 @@ class TieredStore:
             return False
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
-            victims += [k for k in self.ssd.index if k not in self.dram.objects and tenant_of(k) == tenant]
+            victims += [k for k in self.ssd.index
+                        if k not in self.dram.objects and k not in keep and tenant_of(k) == tenant]
         victims += [k for k, o in self.dram.objects.items()
                     if not o.busy and k not in keep and tenant_of(k) == tenant]
         for k in victims:

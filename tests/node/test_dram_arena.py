@@ -27,7 +27,7 @@ def commit(store, arena, items, now=0.0):
     assert store.dram.arena_error(arena, list(offsets), list(sizes)) is None
     got = store.commit_arena(arena, list(keys), [7] * len(keys), list(offsets), list(sizes),
                              now, 10.0, 1 << 20)
-    return [None if r is None else "stored" if r is True else "new" for r in got]
+    return [None if r is None else "stored" if isinstance(r, tuple) else "new" for r in got]
 
 
 def test_objects_placed_by_the_writer_are_readable_and_gaps_are_freed(store):
@@ -89,11 +89,19 @@ def test_a_lapsed_arena_is_quarantined_for_a_lease_then_freed(store):
 
 def test_arenas_come_only_from_free_room_below_the_high_watermark(store):
     dram = store.dram
-    assert dram.open_arena(dram.capacity, 0.0, 10.0) is None         # above the watermark
     assert dram.open_arena(100, 0.0, 10.0) is None                   # rounds down to nothing
-    got = [dram.open_arena(128 * KiB, 0.0, 10.0) for _ in range(8)]
-    assert all(got[:7]) and got[7] is None                            # 7 x 128 KiB <= 0.9 MiB
-    assert len({g[1] for g in got[:7]}) == 7
+    for i in range(5):                                                # 640 KiB of objects
+        assert dram.write(f"k{i}", memoryview(bytes(128 * KiB)), 1, now=0.0)
+    got = [dram.open_arena(128 * KiB, 0.0, 10.0) for _ in range(3)]
+    assert got[0] and got[1] and got[2] is None                      # 896 KiB <= 0.9 MiB < 1 MiB
+
+
+def test_at_most_a_quarter_of_the_segment_is_lent_at_once(store):
+    dram = store.dram
+    got = [dram.open_arena(128 * KiB, 0.0, 10.0) for _ in range(3)]
+    assert got[0] and got[1] and got[2] is None                      # 256 KiB = 1/4 of 1 MiB
+    dram.close_arena(got[0][0], 0.0)
+    assert dram.open_arena(128 * KiB, 0.0, 10.0) is not None
 
 
 def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(store):
@@ -124,3 +132,14 @@ def test_lent_room_does_not_count_as_objects_to_evict(store):
     store.maintain(10.0)
     # objects down to the low watermark; the arena's room is not made up for by evicting more
     assert len(dram.objects) == 4 and arena in dram.arenas
+
+
+def test_a_quota_never_evicts_a_key_the_same_commit_acknowledges_as_stored(store):
+    dram = store.dram
+    store.quotas = {"t": 1000}
+    arena, start, _ = dram.open_arena(64 * KiB, 0.0, 10.0)
+    assert commit(store, arena, [("ns@t/old", start, 600)]) == ["new"]
+    # "old" again (stored: acknowledged), then "new" needs room: it may not take "old"'s
+    assert commit(store, arena, [("ns@t/old", start + 1024, 600), ("ns@t/new", start + 2048, 600)]) == \
+        ["stored", None]
+    assert "ns@t/old" in dram.objects
