@@ -209,7 +209,7 @@ class TieredStore:
         return out
 
     def commit_arena(self, arena_id: int, keys: list[str], checksums: list[int], offsets: list[int],
-                     sizes: list[int], now: float, hold_s: float, max_size: int) -> list[Optional[bool]]:
+                     sizes: list[int], now: float, hold_s: float, max_size: int) -> list:
         """Commit objects a writer placed in its arena itself (``DramTier.arena_error`` has
         checked the places) and renew the arena. Per key: the object committed now; (size,
         checksum) of a copy stored already (nothing to do: acknowledged); None, not committed
@@ -234,15 +234,12 @@ class TieredStore:
             tenant = tenants.get(ns)
             if tenant is None:
                 tenant = tenants[ns] = tenant_of(ns)
-            if tenant in self.quotas:
-                if size > max_size or not self._within_quota(key, size, now, keep=answered):
-                    out.append(None)
-                    continue
-                answered.add(key)
-            elif size > max_size:
+            if size > max_size or (tenant in self.quotas and
+                                   not self._within_quota(key, size, now, keep=answered)):
                 out.append(None)
                 continue
             out.append(dram.place(arena, key, offset, size, checksum))
+            answered.add(key)
             usage[tenant] += size
         return out
 
