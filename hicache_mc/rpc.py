@@ -21,6 +21,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -42,7 +43,8 @@ _PREFIX = struct.Struct("<II")          # direct port: header bytes, payload fra
 DIRECT_RETRY_S = 30.0                   # a direct port that refused a connection: ZeroMQ meanwhile
 CONNECT_TIMEOUT_S = 1.0
 SEND_TIMEOUT_S = 30.0                   # a direct-port peer that takes no bytes for this long is gone
-RECV_BYTES = 1 << 20
+RECV_BYTES = 1 << 20                    # a service reads its direct-port peers this much at a time
+CHANNEL_RECV_BYTES = 256 << 10          # ... a Channel its reply stream
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)  # buffers per sendmsg
 MAX_CONNECTIONS = 512                   # direct-port peers a service keeps; more are refused
 OUT_LIMIT = 512 << 20                   # replies a direct-port peer may leave unread
@@ -104,6 +106,13 @@ def dial(direct: str, timeout_s: float) -> socket.socket:
     return conn
 
 
+def recv_some(sock: socket.socket, scratch: memoryview) -> memoryview:
+    """What ``sock`` has, up to the scratch buffer's size, as a view of it (empty: closed).
+    ``recv_into`` a buffer kept for it: ``sock.recv(n)`` allocates n bytes every call (~20 us
+    for 1 MiB here, on every message)."""
+    return scratch[: sock.recv_into(scratch)]
+
+
 def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
     """(bytes used, [header, *payload frames]) of the first whole message in ``buf``, or None
     when it has not all arrived. Declared sizes over the limits raise ProtocolError."""
@@ -121,7 +130,11 @@ def parse_frames(buf: bytearray, max_frame: int) -> Optional[tuple[int, list]]:
     end = start + hlen + sum(lens)
     if len(buf) < end:
         return None
-    whole = memoryview(bytes(buf[start:end]))       # one copy; the frames are views of it
+    view = memoryview(buf)
+    try:
+        whole = memoryview(view[start:end].tobytes())   # one copy; the frames are views of it
+    finally:
+        view.release()                                  # so ``buf`` can be cut again
     frames, at = [whole[:hlen]], hlen
     for n_ in lens:
         frames.append(Frame(whole[at: at + n_]))
@@ -147,7 +160,7 @@ class DirectConnection:
     def read(self) -> list[list]:
         """The whole messages that arrived (each [header, *payload frames])."""
         try:
-            data = self.sock.recv(RECV_BYTES)
+            data = recv_some(self.sock, self.service._scratch)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError:
@@ -248,6 +261,7 @@ class Service:
         self._listener: Optional[socket.socket] = None
         self.direct_address = ""                        # host:port of the direct port, if any
         self._conns: dict[int, DirectConnection] = {}
+        self._scratch = memoryview(bytearray(RECV_BYTES))   # every peer is read into it in turn
         self._poller: Optional[zmq.Poller] = None
         self._metrics: Optional[MetricsServer] = None
         self._metrics_text = ""
@@ -481,6 +495,7 @@ class Channel:
         self.sock: Optional[zmq.Socket] = None
         self.conn: Optional[socket.socket] = None
         self._inbuf = bytearray()
+        self._scratch: Optional[memoryview] = None      # replies are read into it
         self._direct_down_until = 0.0
         self._waiting: set[int] = set()     # requests sent and not yet answered
         self._early: dict[int, tuple] = {}  # their replies that came before they were asked for
@@ -512,10 +527,14 @@ class Channel:
             self.sock.close(0)
             self.sock = None
         self.conn, self._inbuf = conn, bytearray()
+        self._idle = select.poll()
+        self._idle.register(conn.fileno(), select.POLLIN)
         return conn
 
     def _peer_open(self) -> bool:
         """False when the idle direct connection was closed by the service (restarted)."""
+        if not self._idle.poll(0):
+            return True                 # nothing came: no late reply, no end of stream
         try:
             self.conn.settimeout(0.0)   # with a timeout, Python would wait for data first
             return self.conn.recv(1, socket.MSG_PEEK) != b""
@@ -593,9 +612,11 @@ class Channel:
     def _read_direct(self, timeout: float) -> bool:
         """Read what the direct connection has within ``timeout`` seconds; False when nothing
         came. A broken connection resets the channel and raises StoreUnavailable."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(CHANNEL_RECV_BYTES))
         try:
             self.conn.settimeout(max(0.0, timeout))
-            data = self.conn.recv(RECV_BYTES)
+            data = recv_some(self.conn, self._scratch)
         except (socket.timeout, BlockingIOError, InterruptedError):
             return False
         except OSError as exc:

@@ -129,3 +129,31 @@ def test_more_frames_than_one_sendmsg_takes(store):
     finally:
         ch.close()
         ctx.term()
+
+
+def test_messages_bigger_than_one_read_arrive_whole(store):
+    """A 3 MiB request and reply over the direct port take several reads on each side (the
+    service reads up to 1 MiB at a time, a Channel 256 KiB): every byte arrives, in order,
+    and the next message on the same connection is parsed from where this one ended."""
+    from hicache_mc.rpc import CHANNEL_RECV_BYTES, RECV_BYTES, Channel
+    import zmq
+    from hicache_mc.transport.base import checksum
+    node = store.cluster.stats()["nodes"][0]
+    ctx = zmq.Context()
+    ch = Channel(ctx, node["address"], direct=node["direct_address"])
+    try:
+        rng = np.random.default_rng(11)
+        blobs = [rng.integers(0, 256, (3 * RECV_BYTES) // 2, dtype=np.uint8).tobytes() for _ in range(2)]
+        assert sum(map(len, blobs)) > 2 * RECV_BYTES >= 8 * CHANNEL_RECV_BYTES
+        keys = ["big-frames/a", "big-frames/b"]
+        reply, _ = ch.call(P.WriteRequest(keys, [checksum(b) for b in blobs]), 10, payload=blobs)
+        assert ch.conn is not None and reply.ok == [True, True]
+        # two requests in flight: the second reply follows the first in the same stream
+        first, second = ch.send(P.ReadRequest(keys)), ch.send(P.ReadRequest(keys[::-1]))
+        _, frames2 = ch.recv(second, time.monotonic() + 10)
+        _, frames1 = ch.recv(first, time.monotonic() + 10)
+        assert [bytes(f.buffer) for f in frames1] == blobs
+        assert [bytes(f.buffer) for f in frames2] == blobs[::-1]
+    finally:
+        ch.close()
+        ctx.term()
