@@ -24,9 +24,10 @@ import msgpack
 
 from .errors import ProtocolError, RemoteError
 
-VERSION = 6   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
+VERSION = 7   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
               # data_address; 4: locations without checksums; 5: commit sequence numbers, fences;
-              # 6: arenas, grants with a ttl instead of a node-clock deadline)
+              # 6: arenas, grants with a ttl instead of a node-clock deadline; 7: an arena commit
+              # may ask for the next arena, Place names a host's sole node)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a
@@ -199,6 +200,9 @@ class PlaceRequest(Message):
 class PlaceReply(Message):
     targets: list[Optional[str]]  # node id per key; None = already stored (nothing to write)
     nodes: dict[str, dict]
+    # The writer's host has this one node (and placement puts the host's objects there first):
+    # for a while the writer may put into arenas of it without asking (see StoreClient._put).
+    sole: str = ""
 
 
 @message
@@ -357,6 +361,9 @@ class CommitRequest(Message):
     # taking its size rounded up to SLOT_ALIGN); the space skipped between them goes back.
     arena: int = 0
     sizes: list[int] = field(default_factory=list)
+    # With an arena commit: also lend a new arena of up to this many bytes (as ArenaRequest),
+    # once the commit is done; the reply's ``lent`` has it. Saves the writer a message.
+    lend: int = 0
 
 
 # An arena is a region of a node's free DRAM lent to one writer, which places the objects of
@@ -386,6 +393,7 @@ class ArenaReply(Message):
 class CommitReply(Message):
     ok: list[bool]
     seq: int = 0             # as WriteReply.seq
+    lent: list = field(default_factory=list)    # ArenaReply's fields when the commit asked to ``lend``
 
 
 @message

@@ -531,17 +531,23 @@ class Channel:
         self._idle.register(conn.fileno(), select.POLLIN)
         return conn
 
+    def alive(self) -> bool:
+        """Whether this channel holds a direct connection the service has not closed: its
+        process is up, or was when the last bytes came (a process that dies closes it)."""
+        return self.conn is not None and (bool(self._waiting) or self._peer_open())
+
     def _peer_open(self) -> bool:
-        """False when the idle direct connection was closed by the service (restarted)."""
-        if not self._idle.poll(0):
-            return True                 # nothing came: no late reply, no end of stream
-        try:
-            self.conn.settimeout(0.0)   # with a timeout, Python would wait for data first
-            return self.conn.recv(1, socket.MSG_PEEK) != b""
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            return False
+        """False when the idle direct connection was closed by the service (restarted). Late
+        replies to forgotten requests (a Release's, say) are read on the way and dropped:
+        left in the socket, they would hide the end of the stream behind them."""
+        while self._idle.poll(0):
+            try:
+                if not self._read_direct(0.0):
+                    return True
+                self._take_direct(0)        # no request has id 0: keeps only awaited replies
+            except StoreUnavailable:        # closed (the channel is reset)
+                return False
+        return self.conn is not None
 
     def send(self, msg: P.Message, payload: Optional[list] = None) -> int:
         """Send without waiting; returns the request id to pass to ``recv``. Several requests

@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from .. import protocol as P
-from ..errors import HicacheError
+from ..errors import HicacheError, ProtocolError
 from ..rpc import Channel
 
 log = logging.getLogger(__name__)
@@ -112,23 +112,41 @@ class Arenas:
 
     def _done(self, arena: Arena, use: Optional[Use]) -> None:
         """Stop using ``arena``; its unused rest goes back with ``use``'s request (None: the
-        node restarted, or the writer moved to another node: it lapses there)."""
+        node restarted, or the writer moved to another node: it lapses there). A full one
+        the node dropped itself, at the commit that reached its end."""
         self.drop(arena)
-        if use is not None:
+        if use is not None and arena.cursor < arena.end:
             use.give_back.append(arena.id)
 
     def ask(self, use: Use) -> None:
-        """Send the turn's Arena request and give-backs (not awaited: ``end`` takes the reply)."""
+        """Send the turn's Arena request, unless sent or answered already, and its give-backs
+        (not awaited: ``end`` takes the reply)."""
         backs, use.give_back = use.give_back, []
-        if use.want or backs:
+        want = use.want if use.asked is None else 0
+        if want or backs:
             sent = time.monotonic()
-            rid = use.ch.send(P.ArenaRequest(use.want, backs.pop() if backs else 0))
-            if use.want:
+            rid = use.ch.send(P.ArenaRequest(want, backs.pop() if backs else 0))
+            if want:
                 use.asked = (rid, sent)
             else:
                 use.ch.forget([rid])
         for arena_id in backs:
             use.ch.forget([use.ch.send(P.ArenaRequest(0, arena_id))])
+
+    def lend(self, use: Use) -> int:
+        """Bytes to ask for with the turn's arena commit (``CommitRequest.lend``; ``lent``
+        takes the answer), so the next arena costs no message of its own."""
+        return use.want if use.asked is None else 0
+
+    def lent(self, use: Use, values: list, sent: float, nodes: dict) -> None:
+        """Take the arena the commit's reply lent (``CommitReply.lent``, ArenaReply's fields)."""
+        want, use.want = use.want, 0        # answered: ``ask`` does not ask again
+        try:
+            reply = P.build("ArenaReply", values)
+        except ProtocolError as exc:
+            log.warning("node %s lent an arena this client cannot read: %s", use.node.node_id, exc)
+            return
+        self._keep(use, reply, want, sent, nodes)
 
     def end(self, use: Use, nodes: dict) -> None:
         """End the turn: take the arena it asked for (when the node answered in time and its
@@ -144,14 +162,18 @@ class Arenas:
                 use.ch.forget([rid])
                 log.debug("no arena from %s: %s", use.node.node_id, exc)
                 return
-            if reply.arena and nodes.get(use.node.node_id) is use.node \
-                    and reply.segment == P.segment_of(use.node):
-                self.held.append(Arena(use.node, reply, sent))
-            if reply.size < use.want:   # its cap (1/16 of its DRAM) or its free room: puts
-                # bigger than that reserve as usual for a while
-                self.most[use.node.node_id] = (reply.size, time.monotonic() + SHORT_S)
+            self._keep(use, reply, use.want, sent, nodes)
         finally:
             self.lock.release()
+
+    def _keep(self, use: Use, reply: P.ArenaReply, want: int, sent: float, nodes: dict) -> None:
+        """Hold the arena lent (when the node's record in ``nodes`` is still the one asked)."""
+        if reply.arena and nodes.get(use.node.node_id) is use.node \
+                and reply.segment == P.segment_of(use.node):
+            self.held.append(Arena(use.node, reply, sent))
+        if reply.size < want:   # its cap (1/16 of its DRAM) or its free room: puts bigger
+            # than that reserve as usual for a while
+            self.most[use.node.node_id] = (reply.size, time.monotonic() + SHORT_S)
 
     def committed(self, arena: Arena, sent: float) -> None:
         """A commit sent at ``sent`` renewed the loan."""
@@ -163,10 +185,16 @@ class Arenas:
         if arena in self.held:
             self.held.remove(arena)
 
+    def drop_node(self, node: P.NodeInfo) -> None:
+        """Forget every arena on ``node``."""
+        self.held = [a for a in self.held if a.node is not node]
+
     def close(self, channel_for) -> None:
         """Give every arena back (a client that closes without this leaves them to lapse)."""
         with self.lock:
             for arena in self.held:
+                if arena.cursor >= arena.end:
+                    continue        # the node dropped it at the commit that filled it
                 try:
                     ch = channel_for(arena.node.address)
                     ch.recv(ch.send(P.ArenaRequest(0, arena.id)), time.monotonic() + ASK_WAIT_S)

@@ -42,6 +42,7 @@ HELLO_RETRY_S = 5.0         # ... or this soon again when it did not answer
 HELLO_TIMEOUT_S = 1.0
 SPECULATE_RUN = 1 << 20     # copies made before the Place is answered go in runs of this much
 FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
+SOLE_S = 10.0               # puts skip the Place for this long after one named the host's sole node
 
 
 class Circuit:
@@ -120,6 +121,7 @@ class StoreClient:
         self._next_hello = 0.0                # when to ask the master for its direct port (again)
         self._writer: Optional[str] = None    # the node on this host the last put went to
         self._reader: Optional[str] = None    # the node that held every key of the last get or put
+        self._sole = ("", 0.0)                # (the only node on this host, until when), per the master
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -419,8 +421,6 @@ class StoreClient:
         if not keys:
             return []
         deadline = self._deadline()
-        mch = self._channel(self.config.master)
-        place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
         writer = self._early(self._writer, sizes)
         # arenas over shm and tcp: a copy into an arena of a node that restarted at the same
         # address lands in the dead segment (shm's mapping) or is refused (the stream port
@@ -428,25 +428,57 @@ class StoreClient:
         use = None if writer is None or writer[1] is self.te else \
             self._arenas.begin(writer[0], self._channel(writer[0].address), sizes)
         try:
+            if use is not None and use.arena is not None and self._may_skip_place(use):
+                result = self._put_local(use, writer[1], keys, ptrs, sizes, deadline)
+                if result is not None:
+                    return result
+            mch = self._channel(self.config.master)
+            place_rid = mch.send(P.PlaceRequest(keys, sizes, self.host))
             return self._put_placed(mch, place_rid, writer, use, keys, ptrs, sizes, deadline)
         finally:
             if use is not None:
                 self._arenas.end(use, self._nodes)
 
+    def _may_skip_place(self, use: Use) -> bool:
+        """Whether a put into this arena may go without a Place: the master named its node as
+        the only one on this host less than SOLE_S ago (a node added since is then found at
+        the next Place), and this thread's connection to it is up (a node process that died
+        closed it: the Place then learns where to go instead)."""
+        node_id, until = self._sole
+        return node_id == use.node.node_id and time.monotonic() < until and use.ch.alive()
+
+    def _put_local(self, use: Use, transport: LeasedTransport, keys, ptrs, sizes,
+                   deadline: float) -> Optional[list[bool]]:
+        """A put into an arena of the node on this host, without asking the master where to:
+        the master places a writer's objects on its own host's node first (``Registry.place``),
+        and that node lends arenas only while it has room. The node tells the master about the
+        objects before it answers, as for every commit. A key another node holds is stored
+        here too (the master's index then names this copy; the other is evicted in time).
+        None when nothing was committed (the arena lapsed, or its node restarted or took it
+        back): then the put asks the master, the usual way."""
+        self._copy_arena(use, transport, ptrs, sizes, deadline)
+        result = None if use.sums is None else self._commit_arena(use, keys, sizes, deadline)
+        if result is None:
+            use.arena, use.sums = None, None
+            return None
+        self._arenas.ask(use)       # its give-backs (the next arena came with the commit)
+        self._reader = use.node.node_id
+        self.counters["put_local"] += 1
+        return result
+
     def _put_placed(self, mch, place_rid, writer, use: Optional[Use], keys, ptrs, sizes, deadline):
-        """The put once the Place is sent: objects go into an arena of the writer's node, or
-        into slots reserved there early, or the ordinary way (see the notes below)."""
+        """The put once the Place is sent: objects go into slots reserved early on the
+        writer's node, or the ordinary way (see the notes below)."""
         early = None
         try:
-            if use is not None and use.arena is not None:
-                self._copy_arena(use, writer[1], ptrs, sizes, deadline)
-            elif writer is not None:
+            if writer is not None:
                 early = self._reserve_early(writer, keys, sizes)   # overlaps the Place round trip
                 self._copy_early(early, mch, place_rid, keys, ptrs, sizes, deadline)
             if use is not None:
                 self._arenas.ask(use)       # for the next put, while this one waits for the Place
             placed = P.raise_if_error(mch.recv(place_rid, deadline)[0])
             self._learn(placed.nodes)
+            self._sole = (placed.sole, time.monotonic() + SOLE_S)
         except Exception:
             mch.forget([place_rid])
             if early is not None:
@@ -458,8 +490,6 @@ class StoreClient:
             if target:
                 by_node[target].append(i)
         self._remember_writer(by_node)
-        if use is not None and use.sums is not None:
-            self._put_arena(use, by_node, keys, sizes, deadline, result)
         if early is not None:
             self._put_early(early, by_node, keys, ptrs, sizes, deadline, result)
         for node_id, idx in by_node.items():
@@ -474,10 +504,12 @@ class StoreClient:
 
     # A put asks the master where each object goes (Place) and then reserves room on that node.
     # Placement puts a writer's objects on its own host first, so after one put the node is
-    # known: later puts send the Reserve to it alongside the Place, and start copying into the
-    # slots it gives while the Place is still on its way (bounded: the copy stops as soon as
-    # the Place is answered). The master still decides: only keys it placed on that node are
-    # committed; the slots of keys it deduplicated or placed elsewhere are given back.
+    # known: later puts go into an arena it lends (``_put_local``: no Place, one round trip),
+    # or, where arenas are not used (the TE, puts over the ``arena`` limit, no arena lent),
+    # send the Reserve to it alongside the Place, and start copying into the slots it gives
+    # while the Place is still on its way (bounded: the copy stops as soon as the Place is
+    # answered). Then the master decides: only keys it placed on that node are committed; the
+    # slots of keys it deduplicated or placed elsewhere are given back.
 
     def _remember_writer(self, by_node: dict[str, list[int]]) -> None:
         if len(by_node) == 1:
@@ -488,8 +520,8 @@ class StoreClient:
             self._writer = None
 
     def _copy_arena(self, use: Use, transport: LeasedTransport, ptrs, sizes, deadline: float) -> None:
-        """Copy the put's objects into the places it took in an arena (before the Place is
-        back: the master's answer only says which of them to commit)."""
+        """Copy the put's objects into the places it took in an arena; their checksums go in
+        ``use.sums`` (None, and the arena dropped, when the copy failed)."""
         arena = use.arena
         try:
             use.sums = transport.store(arena.node, use.offsets, ptrs, sizes, min(deadline, arena.until))
@@ -497,26 +529,18 @@ class StoreClient:
             log.debug("copy into an arena failed: %s", exc)
             self._arenas.drop(arena)
 
-    def _put_arena(self, use: Use, by_node, keys, sizes, deadline, result) -> None:
-        """Commit the objects placed on the arena's node, at the offsets the put chose; the
-        master's answer may have deduplicated some or placed them elsewhere (their places are
-        skipped). An arena the node no longer knows (it restarted, or took it back) is dropped
-        and its objects written the ordinary way."""
+    def _commit_arena(self, use: Use, keys, sizes, deadline) -> Optional[list[bool]]:
+        """Commit the objects copied into the arena at the offsets the put chose (and ask for
+        the next arena with it); per key, whether it is stored. None when the node no longer
+        lends the arena (it restarted, or took it back) or it lapsed: nothing was committed."""
         arena, node = use.arena, use.arena.node
-        if self._nodes.get(node.node_id) is not node:
-            self._arenas.drop(arena)        # the Place brought a new record: node restarted
-            return
-        mine = by_node.pop(node.node_id, [])
-        if not mine:
-            return
         sent = time.monotonic()
-        if sent >= arena.until:
-            self._arenas.drop(arena)
-            by_node[node.node_id] = mine
-            return
+        if self._nodes.get(node.node_id) is not node or sent >= arena.until:
+            self._arenas.drop(arena)        # a new record for the node came: it restarted
+            return None
         ch = self._channel(node.address)
-        msg = P.CommitRequest([keys[i] for i in mine], [use.sums[i] for i in mine],
-                              [use.offsets[i] for i in mine], arena.id, [sizes[i] for i in mine])
+        lend = self._arenas.lend(use)
+        msg = P.CommitRequest(keys, use.sums, use.offsets, arena.id, sizes, lend)
         try:
             reply = P.raise_if_error(ch.recv(ch.send(msg), deadline)[0])
         except RemoteError as exc:
@@ -524,16 +548,19 @@ class StoreClient:
             if exc.code != "unknown_arena":
                 raise
             log.info("node %s no longer lends arena %d; writing the ordinary way", node.node_id, arena.id)
-            by_node[node.node_id] = mine
-            return
+            return None
         except Exception:
-            self._arenas.drop(arena)        # its state on the node is in doubt: let it lapse
+            # no answer: its arenas' state there is in doubt (they lapse), and the next put
+            # asks the master (the node may be gone)
+            self._arenas.drop_node(node)
+            self._sole = ("", 0.0)
             raise
         self._arenas.committed(arena, sent)
+        if lend:
+            self._arenas.lent(use, reply.lent, sent, self._nodes)
         self._note_commit(node, reply.seq)
-        for i, ok in zip(mine, reply.ok):
-            result[i] = ok
-        self.counters["bytes_written"] += sum(sizes[i] for i, ok in zip(mine, reply.ok) if ok)
+        self.counters["bytes_written"] += sum(s for s, ok in zip(sizes, reply.ok) if ok)
+        return list(reply.ok)
 
     def _reserve_early(self, writer, keys, sizes) -> "EarlyPut":
         """A Reserve sent to the node the last put went to (``writer``: see ``_early``)."""

@@ -57,6 +57,12 @@ class NodeRegistry:
     def live_slots(self) -> set[int]:
         return {st.slot for st in self.nodes.values()}
 
+    def sole(self, host: str) -> str:
+        """The id of the one live node on ``host``; "" when it has none or several (then each
+        Place spreads a batch over them)."""
+        local = [st for st in self.nodes.values() if st.info.host == host]
+        return local[0].info.node_id if len(local) == 1 else ""
+
     def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
         """A node per object: the writer's own host first, then the most free space.
 

@@ -213,7 +213,7 @@ class MasterService(Service):
         nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
         self.counters["placed"] += len(todo)
         self.counters["deduplicated"] += len(msg.keys) - len(todo)
-        return P.PlaceReply(targets, nodes), None
+        return P.PlaceReply(targets, nodes, self.registry.sole(msg.host)), None
 
     def on_StatsRequest(self, msg, payload, ident, req_id):
         now = time.monotonic()

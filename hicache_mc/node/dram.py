@@ -183,8 +183,6 @@ class DramTier:
         taken = self.alloc.rounded(size)
         arena.cursor += taken
         self.arena_bytes -= taken
-        if arena.cursor == arena.end:
-            del self.arenas[arena.id]       # used up: nothing left to lend or give back
         return obj
 
     def skip(self, arena: Arena, upto: int) -> None:
@@ -193,6 +191,14 @@ class DramTier:
             self.alloc.free(arena.cursor, upto - arena.cursor)
             self.arena_bytes -= upto - arena.cursor
             arena.cursor = upto
+
+    def covered(self, arena: Arena, upto: int) -> None:
+        """A commit's places reached ``upto``: what of them was not placed (keys stored
+        already, or refused) is free again; an arena used to its end is dropped (its writer
+        sees it full, and neither gives it back nor uses it again)."""
+        self.skip(arena, upto)
+        if arena.cursor == arena.end:
+            del self.arenas[arena.id]
 
     def close_arena(self, arena_id: int, now: float, expired: bool = False) -> None:
         """Take the arena back; its unused rest is free space again (after one lease when it

@@ -382,11 +382,16 @@ class StorageNode(Service):
         now = time.monotonic()
         if msg.give_back:
             self.dram.close_arena(msg.give_back, now)
-        # at most 1/16 of the segment per arena (and dram.ARENA_SHARE in all): lent room is not evictable
-        got = self.dram.open_arena(min(msg.size, self.dram.capacity // 16), now, self.config.reserve_s) \
-            if msg.size else None
+        return P.ArenaReply(*self._lend(msg.size, now)), None
+
+    def _lend(self, size: int, now: float) -> list:
+        """ArenaReply's fields for an arena of up to ``size`` bytes (none lent: 0 asked, or no
+        room): at most 1/16 of the segment per arena, and dram.ARENA_SHARE in all (lent room
+        is not evictable)."""
+        got = self.dram.open_arena(min(size, self.dram.capacity // 16), now, self.config.reserve_s) \
+            if size else None
         arena, offset, size = got or (0, -1, 0)
-        return P.ArenaReply(arena, offset, size, self.config.reserve_s * 0.8, self.segment_id), None
+        return [arena, offset, size, self.config.reserve_s * 0.8, self.segment_id]
 
     def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
@@ -404,6 +409,8 @@ class StorageNode(Service):
     def _commit_arena(self, msg: P.CommitRequest, pw: "PendingWrite"):
         if len(msg.sizes) != len(msg.keys):
             return P.ErrorReply("bad_request", "Commit: an arena commit needs one size per key"), None
+        if msg.lend < 0:
+            return P.ErrorReply("bad_request", f"Commit: lend must be >= 0, got {msg.lend}"), None
         why = self.dram.arena_error(msg.arena, msg.offsets, msg.sizes)
         if why is not None:
             code = "unknown_arena" if msg.arena not in self.dram.arenas else "bad_request"
@@ -417,6 +424,8 @@ class StorageNode(Service):
             elif obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
                 self.counters["bytes_in"] += obj.size
+        if msg.lend:        # the writer's next arena, from the room this commit left
+            pw.more["lent"] = self._lend(msg.lend, time.monotonic())
         return self._acknowledge(pw)
 
     def _acknowledge(self, pw: "PendingWrite"):
@@ -432,7 +441,7 @@ class StorageNode(Service):
             self._seq += 1
             if self._announced:     # else the inventory it registers with has them
                 self._to_master(P.CommittedRequest(self.node_id, pw.keys, pw.sizes, pw.sums, self._seq))
-        self.reply(pw.ident, pw.req_id, pw.reply_cls(pw.ok, self._seq if pw.keys else 0))
+        self.reply(pw.ident, pw.req_id, pw.reply_cls(pw.ok, self._seq if pw.keys else 0, **pw.more))
         return None
 
     def on_ClearRequest(self, msg: P.ClearRequest, payload, ident, req_id):
@@ -507,6 +516,7 @@ class PendingWrite:
         self.keys: list[str] = []
         self.sizes: list[int] = []
         self.sums: list[int] = []
+        self.more: dict = {}                  # other fields of the reply
 
     def add(self, i: int, key: str, size: int, checksum: int) -> None:
         self.ok[i] = True

@@ -241,6 +241,8 @@ class TieredStore:
             out.append(dram.place(arena, key, offset, size, checksum))
             answered.add(key)
             usage[tenant] += size
+        if keys:
+            dram.covered(arena, offsets[-1] + dram.alloc.rounded(sizes[-1]))
         return out
 
     def write(self, key: str, data, checksum: int, now: float) -> bool:

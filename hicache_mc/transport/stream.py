@@ -29,6 +29,7 @@ import ctypes
 import hmac
 import logging
 import mmap
+import select
 import socket
 import struct
 import threading
@@ -211,6 +212,13 @@ class StreamServer:
 
 # ------------------------------------------------------------------ client side
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes or an end of stream to read right now (never waits)."""
+    poller = select.poll()      # (select.select fails on descriptors past 1023)
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class StreamClient:
     """Per-thread connections to nodes' stream ports; any failure drops the connection."""
 
@@ -225,6 +233,11 @@ class StreamClient:
         if conns is None:
             conns = self._local.conns = {}
         sock = conns.get(address)
+        if sock is not None and _readable(sock):
+            # between requests the node sends nothing: bytes or an end of stream now mean it
+            # closed the connection (it restarted, or dropped the socket); connect anew
+            self._drop(address)
+            sock = None
         if sock is None:
             host, port = address.rsplit(":", 1)
             try:

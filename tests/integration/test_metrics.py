@@ -45,14 +45,16 @@ def test_metrics_endpoints_follow_the_traffic(tmp_path):
         assert m['hicache_mc_lookup_hits_total{namespace="tenantA-ns"}'] >= 1
         assert m['hicache_mc_lookup_misses_total{namespace="other-ns"}'] == 1
         assert m["hicache_mc_master_nodes"] == 1
-        assert m['hicache_mc_master_request_seconds_count{type="PlaceRequest"}'] == 5
+        # the first puts ask the master where to go; the later ones go into an arena of the node
+        assert 1 <= m['hicache_mc_master_request_seconds_count{type="PlaceRequest"}'] < 5
+        assert m['hicache_mc_master_request_seconds_count{type="CommittedRequest"}'] >= 5
         node_id = next(k for k in m if k.startswith("hicache_mc_node_heartbeat_age_seconds"))
         assert m[node_id] < 5
         n = wait_metric(nport, next(k for k in scrape(nport) if k.startswith("hicache_mc_node_objects{")),
                         lambda v: v == 5)
         assert any(k.startswith("hicache_mc_node_bytes_in_total") and v == 5000 for k, v in n.items())
         assert any(k.startswith("hicache_mc_node_dram_capacity_bytes") and v == 256 << 20 for k, v in n.items())
-        assert 'hicache_mc_node_request_seconds_bucket{type="CommitRequest",le="+Inf"}' in n
+        assert n['hicache_mc_node_request_seconds_bucket{type="CommitRequest",le="+Inf"}'] == 5
     finally:
         cl.stop()
 

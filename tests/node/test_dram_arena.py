@@ -74,6 +74,22 @@ def test_a_stored_key_is_acknowledged_and_its_place_skipped(store):
     assert dram.arena_error(arena, [start + 768], [1]) is not None   # the cursor moved past "c"
 
 
+def test_a_commit_frees_its_unplaced_tail_and_a_full_arena_is_dropped(store):
+    """The places a commit named but did not fill (a key stored already, at its end) are free
+    again at once, so the node's cursor is where the writer's is; the commit that reaches
+    the arena's end drops it (the writer sees it full and neither gives it back nor uses it)."""
+    dram = store.dram
+    arena, start, size = dram.open_arena(4 * KiB, 0.0, 10.0)
+    assert commit(store, arena, [("a", start, KiB)]) == ["new"]
+    assert commit(store, arena, [("b", start + KiB, KiB), ("a", start + 2 * KiB, KiB)]) == ["new", "stored"]
+    assert dram.arenas[arena].cursor == start + 3 * KiB               # past the unfilled "a" place
+    assert dram.alloc.used == 2 * KiB + KiB and dram.arena_bytes == KiB
+    assert commit(store, arena, [("a", start + 3 * KiB, KiB)]) == ["stored"]   # its last place
+    assert arena not in dram.arenas and dram.arena_bytes == 0
+    assert dram.alloc.used == 2 * KiB                                  # just "a" and "b"
+    assert "no such arena" in dram.arena_error(arena, [start + 3 * KiB], [1])
+
+
 def test_a_lapsed_arena_is_quarantined_for_a_lease_then_freed(store):
     dram = store.dram
     arena, start, size = dram.open_arena(64 * KiB, 0.0, 10.0)
