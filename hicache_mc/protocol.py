@@ -200,8 +200,8 @@ class PlaceRequest(Message):
 class PlaceReply(Message):
     targets: list[Optional[str]]  # node id per key; None = already stored (nothing to write)
     nodes: dict[str, dict]
-    # The writer's host has this one node (and placement puts the host's objects there first):
-    # for a while the writer may put into arenas of it without asking (see StoreClient._put).
+    # The cluster's only node, on the writer's host: for a while the writer may put into arenas
+    # of it without asking (see StoreClient._put_local).
     sole: str = ""
 
 

@@ -1,8 +1,9 @@
 """Arenas: room a node lends this client, in which its puts place objects themselves.
 
 Without one, a put reserves slots on the node (one round trip) before it can copy, then
-commits (another). With one, the put picks the offsets itself, copies while the master's
-Place is still on its way, and commits with the offsets: one round trip to the node. The node
+commits (another). With one, the put picks the offsets itself, copies (while the master's
+Place is on its way, or with no Place at all when the node is the cluster's only one: see
+``StoreClient._put_local``), and commits with the offsets: one round trip to the node. The node
 checks each commit (offsets ascending from where the last one ended, inside the arena), frees
 what the writer skipped, and renews the loan; unused for ``reserve_s``, the arena goes back.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .. import protocol as P
 from ..errors import HicacheError, ProtocolError
@@ -43,6 +44,7 @@ class Arena:
     def __init__(self, node: P.NodeInfo, reply: P.ArenaReply, sent: float):
         self.node, self.id, self.size = node, reply.arena, reply.size
         self.cursor, self.end = reply.offset, reply.offset + reply.size
+        self.covered = reply.offset     # the node's cursor: where the last commit's places ended
         self.ttl = reply.ttl
         self.until = sent + reply.ttl   # on this client's clock (the node's may differ)
 
@@ -74,12 +76,14 @@ class Use:
 
 
 class Arenas:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, channel_for: Optional[Callable[[str], Channel]] = None):
         self.limit = limit              # the most bytes asked for per arena (0: never)
         self.lock = threading.Lock()    # held by the put using them, from begin() to end()
         self.held: list[Arena] = []
         self.puts = 0                   # puts that went through an arena
         self.most: dict[str, tuple[int, float]] = {}  # node id -> (what it lent when short, until)
+        self.last = ""                  # the node the last turn was for
+        self.channel_for = channel_for  # this thread's Channel to a node address
 
     def begin(self, node: P.NodeInfo, ch: Channel, sizes: list[int]) -> Optional[Use]:
         """A turn for a put of ``sizes`` to ``node`` (``ch``: this thread's channel to it), or
@@ -96,6 +100,8 @@ class Arenas:
         for arena in list(self.held):
             if arena.node is not node or arena.until - now < arena.ttl * LEFT_MIN:
                 self._done(arena, use if arena.node is node else None)
+                if arena.node.node_id != node.node_id:
+                    self._give_back_to(arena)       # the writer moved to another node
         for n, arena in enumerate(self.held):
             offsets = arena.take(taken)
             if offsets is not None:
@@ -106,16 +112,29 @@ class Arenas:
         else:
             for full in list(self.held):     # none has room for it: done with them all
                 self._done(full, use)
-        if len(self.held) < 2 and sum(a.end - a.cursor for a in self.held) < need:
-            use.want = min(self.limit, max(need, MIN_ASK))   # the next put like this one
+        # ask for the next put like this one, once puts stay on this node (where the master
+        # spreads a host's puts over several nodes, an arena would be left behind each time)
+        steady, self.last = self.last == node.node_id, node.node_id
+        if steady and len(self.held) < 2 and sum(a.end - a.cursor for a in self.held) < need:
+            use.want = min(self.limit, max(need, MIN_ASK))
         return use
+
+    def _give_back_to(self, arena: Arena) -> None:
+        """Give ``arena`` back to its node right away (not awaited)."""
+        if self.channel_for is None or arena.covered >= arena.end:
+            return
+        try:
+            ch = self.channel_for(arena.node.address)
+            ch.forget([ch.send(P.ArenaRequest(0, arena.id))])
+        except HicacheError as exc:     # it lapses there
+            log.debug("giving arena %d back to %s failed: %s", arena.id, arena.node.node_id, exc)
 
     def _done(self, arena: Arena, use: Optional[Use]) -> None:
         """Stop using ``arena``; its unused rest goes back with ``use``'s request (None: the
-        node restarted, or the writer moved to another node: it lapses there). A full one
-        the node dropped itself, at the commit that reached its end."""
+        node restarted, or the writer moved to another node: it lapses there). One the node
+        dropped itself, at the commit that reached its end, is not given back."""
         self.drop(arena)
-        if use is not None and arena.cursor < arena.end:
+        if use is not None and arena.covered < arena.end:
             use.give_back.append(arena.id)
 
     def ask(self, use: Use) -> None:
@@ -175,9 +194,11 @@ class Arenas:
             # than that reserve as usual for a while
             self.most[use.node.node_id] = (reply.size, time.monotonic() + SHORT_S)
 
-    def committed(self, arena: Arena, sent: float) -> None:
-        """A commit sent at ``sent`` renewed the loan."""
+    def committed(self, arena: Arena, sent: float, last_offset: int, last_size: int) -> None:
+        """A commit sent at ``sent``, whose last object went at ``last_offset``, renewed the
+        loan; the node freed whatever of its places that commit did not fill."""
         arena.until = sent + arena.ttl
+        arena.covered = last_offset + _taken(last_size)
         self.puts += 1
 
     def drop(self, arena: Arena) -> None:
@@ -193,7 +214,7 @@ class Arenas:
         """Give every arena back (a client that closes without this leaves them to lapse)."""
         with self.lock:
             for arena in self.held:
-                if arena.cursor >= arena.end:
+                if arena.covered >= arena.end:
                     continue        # the node dropped it at the commit that filled it
                 try:
                     ch = channel_for(arena.node.address)

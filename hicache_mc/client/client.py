@@ -139,7 +139,7 @@ class StoreClient:
         self._fences: dict[str, tuple[float, list]] = {}
         for t in (self.tcp, frames, self.shm, self.te):
             t.committed = self._note_commit
-        self._arenas = Arenas(self.config.arena)
+        self._arenas = Arenas(self.config.arena, self._channel)
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
@@ -441,37 +441,42 @@ class StoreClient:
 
     def _may_skip_place(self, use: Use) -> bool:
         """Whether a put into this arena may go without a Place: the master named its node as
-        the only one on this host less than SOLE_S ago (a node added since is then found at
-        the next Place), and this thread's connection to it is up (a node process that died
+        the cluster's only one, on this host, less than SOLE_S ago (a node added since is found
+        at the next Place), and this thread's connection to it is up (a node process that died
         closed it: the Place then learns where to go instead)."""
         node_id, until = self._sole
         return node_id == use.node.node_id and time.monotonic() < until and use.ch.alive()
 
     def _put_local(self, use: Use, transport: LeasedTransport, keys, ptrs, sizes,
                    deadline: float) -> Optional[list[bool]]:
-        """A put into an arena of the node on this host, without asking the master where to:
-        the master places a writer's objects on its own host's node first (``Registry.place``),
-        and that node lends arenas only while it has room. The node tells the master about the
-        objects before it answers, as for every commit. A key another node holds is stored
-        here too (the master's index then names this copy; the other is evicted in time).
-        None when nothing was committed (the arena lapsed, or its node restarted or took it
-        back): then the put asks the master, the usual way."""
+        """A put into an arena of the cluster's only node, on this host, without asking the
+        master where to: there is nowhere else to place it, that node knows what it holds
+        already (stored keys are acknowledged, not rewritten), and it lends arenas only while
+        it has room. The node tells the master about the objects before it answers, as for
+        every commit. None when nothing was committed (the arena lapsed, or its node
+        restarted or took it back): then the put asks the master, the usual way."""
         self._copy_arena(use, transport, ptrs, sizes, deadline)
-        result = None if use.sums is None else self._commit_arena(use, keys, sizes, deadline)
+        result = None if use.sums is None else \
+            self._commit_arena(use, range(len(keys)), keys, sizes, deadline)
         if result is None:
             use.arena, use.sums = None, None
             return None
-        self._arenas.ask(use)       # its give-backs (the next arena came with the commit)
+        try:
+            self._arenas.ask(use)   # its give-backs (the next arena came with the commit)
+        except HicacheError as exc:  # the put is stored: what is not given back lapses
+            log.debug("giving arenas back to %s failed: %s", use.node.node_id, exc)
         self._reader = use.node.node_id
         self.counters["put_local"] += 1
         return result
 
     def _put_placed(self, mch, place_rid, writer, use: Optional[Use], keys, ptrs, sizes, deadline):
-        """The put once the Place is sent: objects go into slots reserved early on the
-        writer's node, or the ordinary way (see the notes below)."""
+        """The put once the Place is sent: objects go into an arena of the writer's node, or
+        into slots reserved there early, or the ordinary way (see the notes below)."""
         early = None
         try:
-            if writer is not None:
+            if use is not None and use.arena is not None:
+                self._copy_arena(use, writer[1], ptrs, sizes, deadline)   # while the Place travels
+            elif writer is not None:
                 early = self._reserve_early(writer, keys, sizes)   # overlaps the Place round trip
                 self._copy_early(early, mch, place_rid, keys, ptrs, sizes, deadline)
             if use is not None:
@@ -490,6 +495,8 @@ class StoreClient:
             if target:
                 by_node[target].append(i)
         self._remember_writer(by_node)
+        if use is not None and use.sums is not None:
+            self._put_arena(use, by_node, keys, sizes, deadline, result)
         if early is not None:
             self._put_early(early, by_node, keys, ptrs, sizes, deadline, result)
         for node_id, idx in by_node.items():
@@ -504,12 +511,13 @@ class StoreClient:
 
     # A put asks the master where each object goes (Place) and then reserves room on that node.
     # Placement puts a writer's objects on its own host first, so after one put the node is
-    # known: later puts go into an arena it lends (``_put_local``: no Place, one round trip),
-    # or, where arenas are not used (the TE, puts over the ``arena`` limit, no arena lent),
-    # send the Reserve to it alongside the Place, and start copying into the slots it gives
-    # while the Place is still on its way (bounded: the copy stops as soon as the Place is
-    # answered). Then the master decides: only keys it placed on that node are committed; the
-    # slots of keys it deduplicated or placed elsewhere are given back.
+    # known: later puts copy into an arena it lends while the Place is on its way (or, when
+    # it is the cluster's only node, with no Place at all: ``_put_local``), or, where arenas
+    # are not used (the TE, puts over the ``arena`` limit, no arena lent), send the Reserve
+    # to it alongside the Place and start copying into the slots it gives while the Place is
+    # still on its way (bounded: the copy stops as soon as the Place is answered). Then the
+    # master decides: only keys it placed on that node are committed; the places of keys it
+    # deduplicated or placed elsewhere are skipped or given back.
 
     def _remember_writer(self, by_node: dict[str, list[int]]) -> None:
         if len(by_node) == 1:
@@ -529,10 +537,25 @@ class StoreClient:
             log.debug("copy into an arena failed: %s", exc)
             self._arenas.drop(arena)
 
-    def _commit_arena(self, use: Use, keys, sizes, deadline) -> Optional[list[bool]]:
-        """Commit the objects copied into the arena at the offsets the put chose (and ask for
-        the next arena with it); per key, whether it is stored. None when the node no longer
-        lends the arena (it restarted, or took it back) or it lapsed: nothing was committed."""
+    def _put_arena(self, use: Use, by_node, keys, sizes, deadline, result) -> None:
+        """After the Place: commit the objects it placed on the arena's node (the places of
+        keys it deduplicated or placed elsewhere are skipped); when the arena is gone, they
+        go the ordinary way."""
+        mine = by_node.pop(use.arena.node.node_id, [])
+        if not mine:
+            return
+        ok = self._commit_arena(use, mine, keys, sizes, deadline)
+        if ok is None:
+            by_node[use.arena.node.node_id] = mine
+            return
+        for i, good in zip(mine, ok):
+            result[i] = good
+
+    def _commit_arena(self, use: Use, idx, keys, sizes, deadline) -> Optional[list[bool]]:
+        """Commit objects ``idx`` of the put, copied into the arena at the offsets it chose
+        (and ask for the next arena with them); per object, whether it is stored. None when
+        the node no longer lends the arena (it restarted, or took it back) or it lapsed:
+        nothing was committed."""
         arena, node = use.arena, use.arena.node
         sent = time.monotonic()
         if self._nodes.get(node.node_id) is not node or sent >= arena.until:
@@ -540,7 +563,9 @@ class StoreClient:
             return None
         ch = self._channel(node.address)
         lend = self._arenas.lend(use)
-        msg = P.CommitRequest(keys, use.sums, use.offsets, arena.id, sizes, lend)
+        offsets, sub = [use.offsets[i] for i in idx], [sizes[i] for i in idx]
+        msg = P.CommitRequest([keys[i] for i in idx], [use.sums[i] for i in idx], offsets,
+                              arena.id, sub, lend)
         try:
             reply = P.raise_if_error(ch.recv(ch.send(msg), deadline)[0])
         except RemoteError as exc:
@@ -555,11 +580,11 @@ class StoreClient:
             self._arenas.drop_node(node)
             self._sole = ("", 0.0)
             raise
-        self._arenas.committed(arena, sent)
+        self._arenas.committed(arena, sent, offsets[-1], sub[-1])
         if lend:
             self._arenas.lent(use, reply.lent, sent, self._nodes)
         self._note_commit(node, reply.seq)
-        self.counters["bytes_written"] += sum(s for s, ok in zip(sizes, reply.ok) if ok)
+        self.counters["bytes_written"] += sum(s for s, ok in zip(sub, reply.ok) if ok)
         return list(reply.ok)
 
     def _reserve_early(self, writer, keys, sizes) -> "EarlyPut":

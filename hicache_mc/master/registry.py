@@ -58,10 +58,13 @@ class NodeRegistry:
         return {st.slot for st in self.nodes.values()}
 
     def sole(self, host: str) -> str:
-        """The id of the one live node on ``host``; "" when it has none or several (then each
-        Place spreads a batch over them)."""
-        local = [st for st in self.nodes.values() if st.info.host == host]
-        return local[0].info.node_id if len(local) == 1 else ""
+        """The id of the cluster's only live node when it is on ``host``, else "": with more
+        nodes a Place spreads a host's objects over its nodes and finds keys another node
+        holds (no second copy)."""
+        if len(self.nodes) != 1:
+            return ""
+        (st,) = self.nodes.values()
+        return st.info.node_id if st.info.host == host else ""
 
     def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
         """A node per object: the writer's own host first, then the most free space.

@@ -108,23 +108,37 @@ def test_puts_into_an_arena_ask_the_master_nothing_and_the_next_arena_comes_with
             got = [np.zeros(16 * KiB, np.uint8) for _ in keys]
             assert other.batch_get_into(keys, [a.ctypes.data for a in got], [16 * KiB] * 8) == [True] * 8
             assert all(np.array_equal(a, b) for a, b in zip(srcs, got))
+            assert node_stats(node_of(store))["arenas"] <= 2
         assert store.cluster.stats()["place_calls"] == places
         assert c.counters["put_local"] == local + 10
         assert set(sent) == {"CommitRequest"} and len(sent) == 10, sent
+    st = node_stats(node_of(store))
+    assert st["arenas"] == 0 and st["arena_bytes"] == 0 and st["reserved"] == 0
 
 
-def test_with_two_nodes_on_the_host_every_put_asks_the_master(cluster):
-    """The master spreads a host's objects over its nodes: a client never skips the Place
-    when its host has more than one (the Place reply names no sole node)."""
+def test_with_two_nodes_every_put_asks_the_master_and_no_arena_is_left_behind(cluster):
+    """With two nodes the master spreads a host's objects over them and finds keys either
+    holds: no put skips the Place (its reply names no sole node). A writer whose puts move
+    between the nodes asks for no arena (it would leave one behind at each move), and no
+    lent byte is left on either node."""
     cluster.start_master()
     cluster.add_node()
     cluster.add_node()
     cluster.wait_nodes(2)
+    nodes = [n["address"] for n in cluster.stats()["nodes"]]
     with StoreClient(cluster.master) as c:
-        for r in range(6):
-            put_and_check(c, [f"two/{r}/{i}" for i in range(8)], 16 * KiB)
+        for r in range(12):                     # one key a put: the master alternates nodes
+            put_and_check(c, [f"two/{r}"], 16 * KiB)
+        assert sum(node_stats(n)["arenas"] for n in nodes) == 0
+        for r in range(12):                     # batches the master splits over both
+            put_and_check(c, [f"two/big/{r}/{i}" for i in range(32)], 64 * KiB)
         assert c.counters["put_local"] == 0
-        assert cluster.stats()["place_calls"] == 6
+        assert cluster.stats()["place_calls"] == 24
+        assert sum(node_stats(n)["arenas"] for n in nodes) <= 2
+    assert sum(node_stats(n)["objects"] for n in nodes) == 12 + 12 * 32
+    for n in nodes:
+        st = node_stats(n)
+        assert st["reserved"] == 0 and st["arenas"] == 0 and st["arena_bytes"] == 0
 
 
 def test_an_arena_the_node_no_longer_knows_sends_the_put_the_ordinary_way(store):
@@ -188,11 +202,11 @@ def test_puts_bigger_than_a_node_lends_reserve_as_usual(cluster):
 def test_an_arena_on_a_node_restarted_at_the_same_ports_never_touches_the_new_nodes_objects(cluster, transport):
     """The node restarts at the same address and stream port, and another client fills the
     start of its new segment, where the first client's arena was in the old one. That client's
-    next put, sent before it has heard of the restart, copies into its arena: through shm into
-    the dead segment, through tcp refused (the stream port checks the segment). Its puts are
-    stored again once its connections to the node are renewed (the first one after a restart
-    may fail: a connection to the old process breaks), and the other client's objects read
-    back intact."""
+    next put, sent before it has heard of the restart, copies into its arena while its Place
+    is on its way: through shm into the dead segment, through tcp refused (the stream port
+    checks the segment). The Place brings the node's new record and the put is stored the
+    ordinary way, the first time, from a new thread and from one whose connections are to
+    the old process alike; the other client's objects read back intact."""
     from procs import free_port
     cluster.start_master()
     port, data_port = free_port(), free_port()

@@ -157,3 +157,30 @@ def test_messages_bigger_than_one_read_arrive_whole(store):
     finally:
         ch.close()
         ctx.term()
+
+
+def test_a_late_reply_left_unread_does_not_hide_a_closed_connection(cluster):
+    """A Release is sent and not waited for, so its reply sits unread in the idle direct
+    connection; the node then dies. The channel must see the end of the stream behind that
+    reply (and so connect anew) instead of taking the unread bytes for a live peer."""
+    from hicache_mc.rpc import Channel
+    import zmq
+    cluster.start_master()
+    node = cluster.add_node()
+    cluster.wait_nodes(1)
+    info = cluster.stats()["nodes"][0]
+    ctx = zmq.Context()
+    ch = Channel(ctx, info["address"], direct=info["direct_address"])
+    try:
+        ch.forget([ch.send(P.ReleaseRequest([], []))])
+        assert ch.conn is not None
+        time.sleep(0.3)                     # its OkReply is in the socket now, unread
+        assert ch.alive()
+        node.kill()
+        end = time.monotonic() + 5
+        while ch.alive() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not ch.alive() and ch.conn is None
+    finally:
+        ch.close()
+        ctx.term()
