@@ -27,7 +27,7 @@ from .errors import ProtocolError, RemoteError
 VERSION = 7   # bump whenever a message's fields or meaning change (3: column-wise locations, Release,
               # data_address; 4: locations without checksums; 5: commit sequence numbers, fences;
               # 6: arenas, grants with a ttl instead of a node-clock deadline; 7: an arena commit
-              # may ask for the next arena, Place names a host's sole node)
+              # may ask for the next arena, Place names the cluster's only node)
 # Limits on what a peer can make a server decode. A header frame bigger than MAX_HEADER_BYTES
 # is refused by ZeroMQ itself (the sender is disconnected) before it is buffered whole; within
 # it, msgpack refuses lists longer than MAX_KEYS while unpacking, so no request can keep a

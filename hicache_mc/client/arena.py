@@ -8,8 +8,11 @@ checks each commit (offsets ascending from where the last one ended, inside the 
 what the writer skipped, and renews the loan; unused for ``reserve_s``, the arena goes back.
 
 A client holds arenas on the node its puts go to (on its own host), at most two: the one it
-fills and the next. A put that leaves too little room for another like it asks for the next
-arena alongside its own messages, so no put waits for one. Asking for about one put's worth
+fills and the next, and only while its puts stay on that node (where the master spreads them
+over several, an arena would be left behind at each move; one on a node the writer moved
+away from is given back at once). A put that leaves too little room for another like it asks
+for the next arena alongside its own messages (in its commit, when it skips the Place), so
+no put waits for one. Asking for about one put's worth
 at a time keeps the room a client cycles through small: the node lends it from the free space
 it reuses first, often still in the CPU cache. One put uses the arenas at a time (a put that
 finds them busy goes the usual way): commits into an arena reach the node in the order its
@@ -95,6 +98,13 @@ class Arenas:
         if need > self.limit or (need > most and time.monotonic() < until) \
                 or not self.lock.acquire(blocking=False):
             return None
+        try:
+            return self._begin(node, ch, taken, need)
+        except BaseException:
+            self.lock.release()     # the turn never started: end() will not be called
+            raise
+
+    def _begin(self, node: P.NodeInfo, ch: Channel, taken: list[int], need: int) -> Use:
         use = Use(node, ch)
         now = time.monotonic()
         for arena in list(self.held):
@@ -126,13 +136,14 @@ class Arenas:
         try:
             ch = self.channel_for(arena.node.address)
             ch.forget([ch.send(P.ArenaRequest(0, arena.id))])
-        except HicacheError as exc:     # it lapses there
+        except Exception as exc:        # it lapses there
             log.debug("giving arena %d back to %s failed: %s", arena.id, arena.node.node_id, exc)
 
     def _done(self, arena: Arena, use: Optional[Use]) -> None:
         """Stop using ``arena``; its unused rest goes back with ``use``'s request (None: the
-        node restarted, or the writer moved to another node: it lapses there). One the node
-        dropped itself, at the commit that reached its end, is not given back."""
+        node restarted, and it is gone with the old process; or the writer moved to another
+        node, and ``_give_back_to`` returns it). One the node dropped itself, at the commit
+        that reached its end, is not given back."""
         self.drop(arena)
         if use is not None and arena.covered < arena.end:
             use.give_back.append(arena.id)

@@ -42,7 +42,7 @@ HELLO_RETRY_S = 5.0         # ... or this soon again when it did not answer
 HELLO_TIMEOUT_S = 1.0
 SPECULATE_RUN = 1 << 20     # copies made before the Place is answered go in runs of this much
 FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
-SOLE_S = 10.0               # puts skip the Place for this long after one named the host's sole node
+SOLE_S = 10.0               # puts skip the Place for this long after one named the cluster's only node
 
 
 class Circuit:
@@ -121,7 +121,7 @@ class StoreClient:
         self._next_hello = 0.0                # when to ask the master for its direct port (again)
         self._writer: Optional[str] = None    # the node on this host the last put went to
         self._reader: Optional[str] = None    # the node that held every key of the last get or put
-        self._sole = ("", 0.0)                # (the only node on this host, until when), per the master
+        self._sole = ("", 0.0)                # (the cluster's only node, on this host; until when)
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -463,7 +463,7 @@ class StoreClient:
             return None
         try:
             self._arenas.ask(use)   # its give-backs (the next arena came with the commit)
-        except HicacheError as exc:  # the put is stored: what is not given back lapses
+        except Exception as exc:    # the put is stored: what is not given back lapses
             log.debug("giving arenas back to %s failed: %s", use.node.node_id, exc)
         self._reader = use.node.node_id
         self.counters["put_local"] += 1
