@@ -106,6 +106,14 @@ def dial(direct: str, timeout_s: float) -> socket.socket:
     return conn
 
 
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes or an end of stream to read right now (never waits; poll,
+    not select, which fails on descriptors past 1023)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def recv_some(sock: socket.socket, scratch: memoryview) -> memoryview:
     """What ``sock`` has, up to the scratch buffer's size, as a view of it (empty: closed).
     ``recv_into`` a buffer kept for it: ``sock.recv(n)`` allocates n bytes every call (~20 us
@@ -527,8 +535,6 @@ class Channel:
             self.sock.close(0)
             self.sock = None
         self.conn, self._inbuf = conn, bytearray()
-        self._idle = select.poll()
-        self._idle.register(conn.fileno(), select.POLLIN)
         return conn
 
     def alive(self) -> bool:
@@ -540,14 +546,14 @@ class Channel:
         """False when the idle direct connection was closed by the service (restarted). Late
         replies to forgotten requests (a Release's, say) are read on the way and dropped:
         left in the socket, they would hide the end of the stream behind them."""
-        while self._idle.poll(0):
+        while readable(self.conn):
             try:
                 if not self._read_direct(0.0):
                     return True
                 self._take_direct(0)        # no request has id 0: keeps only awaited replies
             except StoreUnavailable:        # closed (the channel is reset)
                 return False
-        return self.conn is not None
+        return True
 
     def send(self, msg: P.Message, payload: Optional[list] = None) -> int:
         """Send without waiting; returns the request id to pass to ``recv``. Several requests

@@ -152,7 +152,7 @@ class Arenas:
         """Send the turn's Arena request, unless sent or answered already, and its give-backs
         (not awaited: ``end`` takes the reply)."""
         backs, use.give_back = use.give_back, []
-        want = use.want if use.asked is None else 0
+        want = self.lend(use)
         if want or backs:
             sent = time.monotonic()
             rid = use.ch.send(P.ArenaRequest(want, backs.pop() if backs else 0))
@@ -164,8 +164,9 @@ class Arenas:
             use.ch.forget([use.ch.send(P.ArenaRequest(0, arena_id))])
 
     def lend(self, use: Use) -> int:
-        """Bytes to ask for with the turn's arena commit (``CommitRequest.lend``; ``lent``
-        takes the answer), so the next arena costs no message of its own."""
+        """Bytes the turn still has to ask for: 0 once asked (``ask``) or answered (``lent``).
+        An arena commit asks with them (``CommitRequest.lend``), so the next arena costs no
+        message of its own."""
         return use.want if use.asked is None else 0
 
     def lent(self, use: Use, values: list, sent: float, nodes: dict) -> None:

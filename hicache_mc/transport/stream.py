@@ -29,7 +29,6 @@ import ctypes
 import hmac
 import logging
 import mmap
-import select
 import socket
 import struct
 import threading
@@ -42,6 +41,7 @@ import xxhash
 
 from ..errors import ProtocolError, StoreUnavailable
 from ..protocol import MAX_HEADER_BYTES, MAX_KEYS
+from ..rpc import readable
 from .base import CHUNK, buffer_at
 
 log = logging.getLogger(__name__)
@@ -212,13 +212,6 @@ class StreamServer:
 
 # ------------------------------------------------------------------ client side
 
-def _readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` has bytes or an end of stream to read right now (never waits)."""
-    poller = select.poll()      # (select.select fails on descriptors past 1023)
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 class StreamClient:
     """Per-thread connections to nodes' stream ports; any failure drops the connection."""
 
@@ -233,7 +226,7 @@ class StreamClient:
         if conns is None:
             conns = self._local.conns = {}
         sock = conns.get(address)
-        if sock is not None and _readable(sock):
+        if sock is not None and readable(sock):
             # between requests the node sends nothing: bytes or an end of stream now mean it
             # closed the connection (it restarted, or dropped the socket); connect anew
             self._drop(address)
