@@ -4,10 +4,6 @@ The segment is a file under ``/dev/shm`` mapped with mmap. Same-host clients map
 copy straight in (reserved slots) or out (leased objects), so the node never touches the bytes
 on the shm path.
 
-Arenas: a region of free space lent to one writer, which places objects in it itself and
-commits them with their offsets (``commit_arena`` in store.py; protocol.ArenaRequest). Below
-the arena's cursor lie committed objects and freed gaps; from the cursor on, the writer's.
-
 Reuse safety: every read hands out a lease (``lease_s``); an object freed while a lease on it
 is live goes to quarantine until the lease ends, so a reader never sees its slot rewritten
 mid-copy. Slots never leased are reused at once. Checksums (computed by writers, verified by
@@ -19,7 +15,6 @@ import heapq
 import logging
 import mmap
 import os
-import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -31,7 +26,6 @@ from .allocator import SlotAllocator
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
-ARENA_SHARE = 0.25           # at most this share of the segment is lent out in arenas at once
 
 
 @dataclass
@@ -44,15 +38,6 @@ class Obj:
     busy: int = 0             # the SSD writer is reading the slot: it must not be reused
     removed: bool = False     # removed while busy: free the slot when the writer is done
     readers: int = 0          # leases handed out and not yet released
-
-
-@dataclass
-class Arena:
-    id: int
-    start: int
-    end: int
-    cursor: int               # where the writer's next object may start
-    until: float              # lent until then; each commit renews it
 
 
 class DramTier:
@@ -73,8 +58,6 @@ class DramTier:
         header = MAGIC + segment_id.encode()
         self.mm[: len(header)] = header
         self.alloc = SlotAllocator(HEADER_BYTES, capacity, SLOT_ALIGN)
-        self.arenas: dict[int, Arena] = {}
-        self.arena_bytes = 0                                    # lent and not yet committed
         self.objects: "OrderedDict[str, Obj]" = OrderedDict()   # LRU order: oldest first
         self.reserved: dict[str, tuple[Obj, float]] = {}        # key -> (slot, commit deadline)
         self._quarantine: list[tuple[float, int]] = []          # (release time, offset)
@@ -88,20 +71,17 @@ class DramTier:
 
     # ------------------------------------------------------------ writes
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float, evict: bool = True) -> int:
-        """Offset of a slot for ``key`` (commit before now+hold_s); -1 = no room, -2 = stored.
-        ``evict=False``: free space only."""
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+        """Offset of a slot for ``key`` (commit before now+hold_s); -1 = no room, -2 = stored."""
         if key in self.objects or key in self.reserved:
             return -2
-        if not evict and self.alloc.used + size > self.high:
-            return -1       # it would push maintain() into evicting
-        offset = self._allocate(size, now, evict)
+        offset = self._allocate(size, now)
         if offset >= 0:
             self.reserved[key] = (Obj(offset, size, 0), now + hold_s)
         return offset
 
-    def reserve_fresh(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
-                      evict: bool = True) -> Optional[list[int]]:
+    def reserve_fresh(self, keys: list[str], sizes: list[int], now: float,
+                      hold_s: float) -> Optional[list[int]]:
         """Slots for a batch of keys that are neither stored nor reserved (and distinct), cut
         from one free range: one allocator call, and the objects lie in a row. None when no
         free range is big enough (evicting for one range could drop far more than needed:
@@ -109,8 +89,6 @@ class DramTier:
         align = self.alloc.align
         need = [max(align, -(-s // align) * align) for s in sizes]
         total = sum(need)
-        if not evict and self.alloc.used + total > self.high:
-            return None
         self._release_quarantine(now)
         offset = self.alloc.allocate(total)
         if offset < 0:
@@ -132,89 +110,6 @@ class DramTier:
         self.objects[key] = obj
         return True
 
-    def write(self, key: str, data: memoryview, checksum: int, now: float) -> bool:
-        """Reserve, copy and commit in one go (the tcp path). A stored key counts as success."""
-        offset = self.reserve(key, len(data), now, 0.0)
-        if offset == -2:
-            return key in self.objects
-        if offset < 0:
-            return False
-        self.mm[offset: offset + len(data)] = data
-        return self.commit(key, checksum)
-
-    # ------------------------------------------------------------ arenas
-
-    def open_arena(self, size: int, now: float, hold_s: float) -> Optional[tuple[int, int, int]]:
-        """(id, offset, size) of a region of ``size`` bytes (rounded down to SLOT_ALIGN) of free
-        space below the high watermark, lent until now+hold_s; None when there is none, or
-        when arenas would hold more than ARENA_SHARE of the segment (lent room is not evictable)."""
-        size -= size % SLOT_ALIGN
-        if size <= 0 or self.alloc.used + size > self.high or \
-                self.arena_bytes + size > self.capacity * ARENA_SHARE:
-            return None
-        self._release_quarantine(now)
-        offset = self.alloc.allocate(size)
-        if offset < 0:
-            return None
-        arena_id = secrets.randbits(62) + 1     # unguessable across restarts of this node
-        self.arenas[arena_id] = Arena(arena_id, offset, offset + size, offset, now + hold_s)
-        self.arena_bytes += size
-        return arena_id, offset, size
-
-    def arena_error(self, arena_id: int, offsets: list[int], sizes: list[int]) -> Optional[str]:
-        """Why objects of ``sizes`` cannot be placed at ``offsets`` in the arena (ascending,
-        aligned, from its cursor, inside it), or None when they can."""
-        arena = self.arenas.get(arena_id)
-        if arena is None:
-            return "no such arena (expired, or the node restarted)"
-        at = arena.cursor
-        for off, size in zip(offsets, sizes):
-            if size < 0 or off % SLOT_ALIGN or off < at:
-                return f"offset {off} (size {size}) is not an aligned place at or after {at}"
-            at = off + self.alloc.rounded(size)
-            if at > arena.end:
-                return f"offset {off} + size {size} runs past the arena's end {arena.end}"
-        return None
-
-    def place(self, arena: Arena, key: str, offset: int, size: int, checksum: int) -> Obj:
-        """Commit ``key`` at ``offset`` of ``arena`` (checked by ``arena_error``)."""
-        self.skip(arena, offset)
-        obj = self.objects[key] = Obj(offset, size, checksum)
-        taken = self.alloc.rounded(size)
-        arena.cursor += taken
-        self.arena_bytes -= taken
-        return obj
-
-    def skip(self, arena: Arena, upto: int) -> None:
-        """Free the arena's space from its cursor to ``upto`` (the writer left it unused)."""
-        if upto > arena.cursor:
-            self.alloc.free(arena.cursor, upto - arena.cursor)
-            self.arena_bytes -= upto - arena.cursor
-            arena.cursor = upto
-
-    def covered(self, arena: Arena, upto: int) -> None:
-        """A commit's places reached ``upto``: what of them was not placed (keys stored
-        already, or refused) is free again; an arena used to its end is dropped (its writer
-        sees it full, and neither gives it back nor uses it again)."""
-        self.skip(arena, upto)
-        if arena.cursor == arena.end:
-            del self.arenas[arena.id]
-
-    def close_arena(self, arena_id: int, now: float, expired: bool = False) -> None:
-        """Take the arena back; its unused rest is free space again (after one lease when it
-        expired: its writer may still be copying into it)."""
-        arena = self.arenas.pop(arena_id, None)
-        if arena is None:
-            return
-        if expired:
-            rest = arena.end - arena.cursor
-            if rest:
-                self.arena_bytes -= rest
-                self._free(Obj(arena.cursor, rest, 0, lease_until=now + self.lease_s), now)
-            log.info("arena of %d bytes expired unused; taken back", rest)
-        else:
-            self.skip(arena, arena.end)
-
     # ------------------------------------------------------------ reads
 
     def lease(self, key: str, now: float) -> Optional[Obj]:
@@ -230,7 +125,7 @@ class DramTier:
         """A writer gives back the slot it reserved for ``key`` at ``offset`` without filling
         it, or a reader is done with the lease it took on it. When no reader is
         left the object is unprotected, and if it was removed meanwhile its slot is free now.
-        A reader that never releases (it died) is covered by the lease's end, as before."""
+        A reader that never releases (it died) is covered by the lease's end."""
         held = self.reserved.get(key)
         if held is not None and held[0].offset == offset:
             del self.reserved[key]      # a writer gives back a slot it will not fill
@@ -255,10 +150,10 @@ class DramTier:
 
     # ------------------------------------------------------------ space
 
-    def _allocate(self, size: int, now: float, evict: bool = True) -> int:
+    def _allocate(self, size: int, now: float) -> int:
         self._release_quarantine(now)
         offset = self.alloc.allocate(size)
-        if offset < 0 and evict:
+        if offset < 0:
             victims = iter(list(self.objects.items()))
             while offset < 0:
                 if not self._evict_next(victims, now):
@@ -314,8 +209,6 @@ class DramTier:
 
     def maintain(self, now: float) -> None:
         """Expire stale reservations, release quarantine, evict above the high watermark."""
-        for arena_id in [a for a, arena in self.arenas.items() if arena.until < now]:
-            self.close_arena(arena_id, now, expired=True)
         for key in [k for k, (_, deadline) in self.reserved.items() if deadline < now]:
             obj, _ = self.reserved.pop(key)
             # the writer may still be copying: keep the slot out of use for one more lease
@@ -326,7 +219,7 @@ class DramTier:
         if self.alloc.used > self.high:
             # quarantined bytes come back by themselves once their leases end
             victims = iter(list(self.objects.items()))
-            while self.alloc.used - self._quarantined_bytes - self.arena_bytes > self.low:
+            while self.alloc.used - self._quarantined_bytes > self.low:
                 if not self._evict_next(victims, now):
                     break
 
@@ -345,7 +238,6 @@ class DramTier:
     def stats(self) -> dict:
         return {"objects": len(self.objects), "used": self.alloc.used, "capacity": self.capacity,
                 "reserved": len(self.reserved), "quarantined": len(self._held),
-                "arenas": len(self.arenas), "arena_bytes": self.arena_bytes,
                 "evictions": self.evictions}
 
     def close(self) -> None:

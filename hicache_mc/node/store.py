@@ -9,7 +9,8 @@ Policy, in one place:
 - DRAM above its high watermark: copies already on SSD are dropped at once; the rest are
   demoted (written to SSD in one batch) and their slots freed once the batch is on disk.
   If the disk fails, demotion falls back to dropping, and the failure is logged once.
-- A read of an SSD-only object streams it from disk (tcp) or stages it into DRAM (shm).
+- A read of an SSD-only object stages it back into DRAM; with no room there for it now, the
+  read is a miss.
 - SSD above its high watermark: LRU records are forgotten; segments under half live are
   compacted in the background; the master hears of every key that left the node.
 - Tenants (the ``@tenant`` suffix of a key's namespace): bytes held per tenant are counted; a
@@ -23,16 +24,16 @@ import logging
 import queue
 import time
 from collections import defaultdict
-from typing import Container, Optional
+from typing import Optional
 
 from ..keys import tenant_of
+from ..protocol import RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
 from .dram import DramTier, Obj
 from .ssd import Job, SsdTier
 
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loop's stall
-ON_SSD = "on-ssd"               # lease(): present, but only readable by streaming (tcp)
 DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
 ERROR_LOG_INTERVAL_S = 60.0
 ROOM_WAIT_S = 1.0               # longest one request waits for the SSD writer to free DRAM
@@ -73,37 +74,21 @@ class TieredStore:
         rec = self.ssd.index.get(key) if self.ssd else None
         return (rec.size, rec.checksum) if rec else None
 
-    def read(self, key: str, now: float):
-        """(size, checksum, buffer) for the tcp path, or None. DRAM views are leased."""
-        obj = self.dram.lease(key, now)
-        if obj is not None:
-            return obj.size, obj.checksum, self.dram.view(obj)
-        rec = self.ssd.get(key) if self.ssd else None
-        if rec is None:
-            return None
-        data = self.ssd.read(rec)
-        if data is None:
-            self._lost_on_ssd(key)
-            return None
-        self.ssd.counters["streamed"] += 1
-        return rec.size, rec.checksum, data
-
     def unlease(self, key: str, offset: int) -> None:
         """A reader released its lease on ``key`` at ``offset`` (see DramTier.unlease)."""
         self.dram.unlease(key, offset)
 
-    def lease(self, key: str, now: float):
-        """A DRAM-resident, leased object for the shm path (SSD-only objects are staged in);
-        None when absent; ``ON_SSD`` when on SSD but DRAM has no room to stage it now."""
+    def lease(self, key: str, now: float) -> Optional[Obj]:
+        """The object in DRAM, leased (an SSD-only object is staged in first); None when
+        absent, or when on SSD only and DRAM has no room to stage it now."""
         obj = self.dram.lease(key, now)
         if obj is not None or self.ssd is None:
             return obj
         rec = self.ssd.get(key)
         if rec is None:
             return None
-        offset = self.dram.reserve(key, rec.size, now, 0.0)
-        if offset < 0:
-            return ON_SSD
+        if self.dram.reserve(key, rec.size, now, 0.0) < 0:
+            return None
         obj = self.dram.reserved[key][0]
         if not self.ssd.read_into(rec, self.dram.view(obj)):
             self.dram.reserved.pop(key)
@@ -136,29 +121,29 @@ class TieredStore:
             return obj.on_ssd or self.durability != "sync"
         return False if key in self.dram.reserved else None
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float, evict: bool = True) -> int:
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
         state = self.durable(key)
         if state is not None:   # a second writer of the same key is acknowledged only once it holds
-            return -2 if state else -4
-        if not self._within_quota(key, size, now, evict):
-            return -1
-        offset = self.dram.reserve(key, size, now, hold_s, evict)
-        if offset == -1 and evict:
+            return RESERVE_STORED if state else RESERVE_BUSY
+        if not self._within_quota(key, size, now):
+            return RESERVE_FULL
+        offset = self.dram.reserve(key, size, now, hold_s)
+        if offset == -1:
             offset = self._room_by_waiting(size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
         return offset
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
-                     evict: bool = True, max_size: int = -1) -> list[int]:
-        """``reserve`` for a batch (RESERVE_FULL for sizes out of 0..``max_size``). Keys not
+                     max_value: int) -> list[int]:
+        """``reserve`` for a batch (RESERVE_FULL for sizes out of 0..``max_value``). Keys not
         stored, not being stored and under no quota take one free range together
         (``DramTier.reserve_fresh``); the rest, or all when no range is big enough, go
         key by key."""
-        out = [-1] * len(keys)
+        out = [RESERVE_FULL] * len(keys)
         fresh, seen = [], set()
         objects, reserved = self.dram.objects, self.dram.reserved
         on_ssd = self.ssd.index if self.ssd is not None else {}
         for i, (key, size) in enumerate(zip(keys, sizes)):
-            if size < 0 or (max_size >= 0 and size > max_size):
+            if size < 0 or size > max_value:
                 continue
             if key in seen or key in objects or key in reserved or key in on_ssd or \
                     (self.quotas and tenant_of(key) in self.quotas):
@@ -168,7 +153,7 @@ class TieredStore:
             seen.add(key)
         if fresh:
             got = self.dram.reserve_fresh([keys[i] for i in fresh], [sizes[i] for i in fresh],
-                                          now, hold_s, evict)
+                                          now, hold_s)
             if got is None:
                 for i in fresh:
                     out[i] = None
@@ -177,11 +162,11 @@ class TieredStore:
                     out[i] = off
         for i, off in enumerate(out):
             if off is None:
-                out[i] = self.reserve(keys[i], sizes[i], now, hold_s, evict)
+                out[i] = self.reserve(keys[i], sizes[i], now, hold_s)
         return out
 
     def commit(self, key: str, checksum: int) -> bool:
-        """Make a reserved slot a readable object (the shm/TE write path)."""
+        """Make a reserved slot a readable object."""
         return self.commit_many([key], [checksum])[0] is not None
 
     def commit_many(self, keys: list[str], checksums: list[int],
@@ -208,65 +193,10 @@ class TieredStore:
             usage[tenant] += obj.size
         return out
 
-    def commit_arena(self, arena_id: int, keys: list[str], checksums: list[int], offsets: list[int],
-                     sizes: list[int], now: float, hold_s: float, max_size: int) -> list:
-        """Commit objects a writer placed in its arena itself (``DramTier.arena_error`` has
-        checked the places) and renew the arena. Per key: the object committed now; (size,
-        checksum) of a copy stored already (nothing to do: acknowledged); None, not committed
-        (being stored by another writer, over the size limit or over its tenant's quota).
-        Unused space is freed. A quota never evicts a key this commit answers for."""
-        dram = self.dram
-        arena = dram.arenas[arena_id]
-        arena.until = now + hold_s
-        objects, reserved = dram.objects, dram.reserved
-        on_ssd = self.ssd.index if self.ssd is not None else {}
-        usage, tenants = self.usage, {}
-        out: list = []
-        answered: set = set()   # a quota must not evict what this commit acknowledges
-        for key, checksum, offset, size in zip(keys, checksums, offsets, sizes):
-            if key in objects or key in reserved or key in on_ssd:
-                stored = self.durable(key)
-                out.append(self.meta(key) if stored else None)
-                if stored:
-                    answered.add(key)
-                continue
-            ns = key.partition("/")[0]
-            tenant = tenants.get(ns)
-            if tenant is None:
-                tenant = tenants[ns] = tenant_of(ns)
-            if size > max_size or (tenant in self.quotas and
-                                   not self._within_quota(key, size, now, keep=answered)):
-                out.append(None)
-                continue
-            out.append(dram.place(arena, key, offset, size, checksum))
-            answered.add(key)
-            usage[tenant] += size
-        if keys:
-            dram.covered(arena, offsets[-1] + dram.alloc.rounded(sizes[-1]))
-        return out
-
-    def write(self, key: str, data, checksum: int, now: float) -> bool:
-        state = self.durable(key)
-        if state is not None:   # stored: success; being stored by another writer: not acknowledged
-            return state
-        if not self._within_quota(key, len(data), now):
-            return False
-        if not self.dram.write(key, data, checksum, now):
-            now2 = time.monotonic()
-            if self._room_by_waiting(len(data), now, lambda: self.dram.reserve(key, len(data), now2, 0.0)) < 0:
-                return False
-            offset = self.dram.reserved[key][0].offset
-            self.dram.mm[offset: offset + len(data)] = data
-            self.dram.commit(key, checksum)
-        self.usage[tenant_of(key)] += len(data)
-        return True
-
     # ------------------------------------------------------------ tenants
 
-    def _within_quota(self, key: str, size: int, now: float, evict: bool = True,
-                      keep: Container[str] = frozenset()) -> bool:
-        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects,
-        never those in ``keep`` (``evict=False``: only say whether it fits now)."""
+    def _within_quota(self, key: str, size: int, now: float) -> bool:
+        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects."""
         tenant = tenant_of(key)
         quota = self.quotas.get(tenant)
         if quota is None:
@@ -274,14 +204,14 @@ class TieredStore:
         need = self.usage[tenant] + size - quota
         if need <= 0:
             return True
-        if size > quota or not evict:
+        if size > quota:
             return False
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
             victims += [k for k in self.ssd.index
-                        if k not in self.dram.objects and k not in keep and tenant_of(k) == tenant]
+                        if k not in self.dram.objects and tenant_of(k) == tenant]
         victims += [k for k, o in self.dram.objects.items()
-                    if not o.busy and k not in keep and tenant_of(k) == tenant]
+                    if not o.busy and tenant_of(k) == tenant]
         for k in victims:
             if need <= 0:
                 break
@@ -371,7 +301,7 @@ class TieredStore:
         if excess is None:
             if dram.alloc.used <= dram.high:
                 return
-            excess = dram.alloc.used - dram._quarantined_bytes - dram.arena_bytes - dram.low
+            excess = dram.alloc.used - dram._quarantined_bytes - dram.low
         if excess <= 0 or self._demoting:
             return
         items, batch = [], 0

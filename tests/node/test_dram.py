@@ -12,10 +12,15 @@ def tier(tmp_path):
 
 
 def put(t, key, size, now, fill=1):
-    return t.write(key, memoryview(bytes([fill]) * size), checksum=fill, now=now)
+    """Reserve, copy and commit, as a writer does; False when there is no room."""
+    offset = t.reserve(key, size, now, hold_s=1.0)
+    if offset < 0:
+        return False
+    t.mm[offset: offset + size] = bytes([fill]) * size
+    return t.commit(key, checksum=fill)
 
 
-def test_write_and_lease(tier):
+def test_commit_and_lease(tier):
     assert put(tier, "a", 1000, 0.0, fill=7)
     obj = tier.lease("a", 0.0)
     assert bytes(tier.view(obj)) == bytes([7]) * 1000
@@ -129,16 +134,6 @@ def test_writer_gives_back_an_unfilled_reservation(tier):
     assert not tier.commit("r", 1)
 
 
-def test_reserving_without_eviction_uses_free_space_below_the_high_watermark(tier):
-    for i in range(3):
-        assert put(tier, f"k{i}", 256 << 10, now=float(i))
-    assert tier.reserve("x", 256 << 10, 5.0, 1.0, evict=False) == -1   # over 0.9 of 1 MiB
-    assert tier.reserve("y", 32 << 10, 5.0, 1.0, evict=False) >= 0
-    assert tier.evictions == 0 and all(f"k{i}" in tier.objects for i in range(3))
-    assert tier.reserve("x", 256 << 10, 5.0, 1.0) >= 0                 # the ordinary way evicts
-    assert tier.evictions == 1
-
-
 def test_reserve_fresh_cuts_one_range_and_frees_slot_by_slot(tier):
     offs = tier.reserve_fresh(["a", "b", "c"], [1000, 256, 1], now=0.0, hold_s=1.0)
     assert offs == [offs[0], offs[0] + 1024, offs[0] + 1280]          # in a row, 256-aligned
@@ -156,5 +151,3 @@ def test_reserve_fresh_declines_rather_than_evict(tier):
     # 512 KiB would need an eviction: declined, the key-by-key path decides
     assert tier.reserve_fresh(["x", "y"], [256 << 10] * 2, now=5.0, hold_s=1.0) is None
     assert tier.evictions == 0 and not tier.reserved
-    # over the high watermark without eviction: declined as well
-    assert tier.reserve_fresh(["x"], [200 << 10], now=5.0, hold_s=1.0, evict=False) is None

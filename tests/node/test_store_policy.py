@@ -1,4 +1,7 @@
-"""TieredStore policy in-process: back-pressure when DRAM is full of objects not yet on disk."""
+"""TieredStore policy in-process: back-pressure when DRAM is full of objects not yet on disk,
+staging SSD-only objects back into DRAM, duplicate writers, tenant quotas."""
+import time
+
 import numpy as np
 import pytest
 
@@ -20,30 +23,62 @@ def store(tmp_path):
     st.close()
 
 
+def put(st, key, data, now, persist=True):
+    """Reserve, copy and commit, as a writer does."""
+    off = st.reserve_many([key], [len(data)], now, 5.0, 16 * MiB)[0]
+    assert off >= 0, (key, off)
+    st.dram.mm[off: off + len(data)] = data
+    assert st.commit_many([key], [checksum(data)])[0] is not None
+    if persist:
+        st.persist([key])
+
+
+def read(st, key, now):
+    """The object's bytes through a lease (released after the copy), or None."""
+    obj = st.lease(key, now)
+    if obj is None:
+        return None
+    data = bytes(st.dram.view(obj))
+    st.unlease(key, obj.offset)
+    return data
+
+
+def wait_on_ssd(st, keys, timeout_s=30.0):
+    end = time.monotonic() + timeout_s
+    while not all(k in st.ssd.index for k in keys):
+        assert time.monotonic() < end, "objects never reached the SSD"
+        time.sleep(0.01)
+        st.poll_done(time.monotonic())
+
+
 def test_writes_beyond_dram_wait_for_the_disk_instead_of_failing(store):
     # no maintain()/poll_done() between writes: only back-pressure can make room
     blobs = {f"k{i}": np.full(MiB, i, dtype=np.uint8).tobytes() for i in range(40)}
     for i, (k, b) in enumerate(blobs.items()):
-        assert store.write(k, memoryview(b), checksum(b), now=float(i)), k
-        store.persist([k])
-    store.poll_done(100.0)
+        put(store, k, b, now=float(i))
+    wait_on_ssd(store, blobs)
     assert store.dram.dropped == []                 # nothing acknowledged was dropped
-    for k, b in blobs.items():
-        got = store.read(k, 100.0)
-        assert got is not None and bytes(got[2]) == b, k
+    for k, b in blobs.items():                      # SSD-only ones are staged back into DRAM
+        assert read(store, k, 100.0) == b, k
+    assert store.ssd.counters["promotions"] >= 40 - 8
+    assert store.dram.dropped == []
     assert store.stats()["tenants"] == {"": 40 * MiB}
 
 
-def test_reserve_waits_too(store):
-    for i in range(30):
-        off = store.reserve(f"r{i}", MiB, float(i), 5.0)
-        assert off >= 0
-        store.dram.mm[off: off + MiB] = bytes([i]) * MiB
-        assert store.commit(f"r{i}", checksum(bytes([i]) * MiB))
-        store.persist([f"r{i}"])
-    store.poll_done(100.0)
-    for i in range(30):
-        assert bytes(store.read(f"r{i}", 100.0)[2]) == bytes([i]) * MiB
+def test_an_ssd_only_object_without_dram_room_to_stage_is_a_miss(store):
+    cold = b"c" * MiB
+    put(store, "cold", cold, now=0.0)
+    wait_on_ssd(store, ["cold"])
+    # 8 MiB of objects not on disk (never persisted): "cold", on disk, is evicted for them
+    for i in range(8):
+        put(store, f"hot{i}", bytes([i]) * MiB, now=1.0, persist=False)
+    assert "cold" not in store.dram.objects and "cold" in store.ssd.index
+    assert store.lease("cold", 2.0) is None         # nothing in DRAM may go to make room
+    assert "cold" in store.ssd.index and store.dram.dropped == []   # a miss, not a loss
+    assert not store.dram.reserved                  # the staging slot was not left behind
+    store.remove(["hot0"], 3.0)
+    assert read(store, "cold", 3.0) == cold         # room again: staged
+    assert store.dram.objects["cold"].on_ssd
 
 
 def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
@@ -55,7 +90,6 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
         data = b"z" * 1000
         assert st.reserve("k", 1000, 0.0, 5.0) >= 0           # writer 1 is copying
         assert st.reserve("k", 1000, 0.0, 5.0) == -4          # writer 2: busy, not acknowledged
-        assert st.write("k", memoryview(data), checksum(data), 0.0) is False
         off = dram.reserved["k"][0].offset
         dram.mm[off: off + 1000] = data
         assert st.commit("k", checksum(data))
@@ -65,7 +99,6 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
             st.poll_done(1.0)
         assert st.finished == [("w", [True])]
         assert st.reserve("k", 1000, 0.0, 5.0) == -2          # on disk: a duplicate is acknowledged
-        assert st.write("k", memoryview(data), checksum(data), 0.0) is True
     finally:
         st.close()
 
@@ -77,13 +110,13 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
                     high_watermark=0.9, low_watermark=0.5)
     st = TieredStore(dram, None, "none", 1.0)
     try:
-        assert st.write("stored", memoryview(b"s" * 100), 1, 0.0)
+        put(st, "stored", b"s" * 100, 0.0)
         assert st.reserve("busy", 100, 0.0, 5.0) >= 0
         st.quotas = {"t": 150}
         st.usage["t"] = 100
         keys = ["n/1", "stored", "busy", "n/2", "n/1", "huge", "neg", "ns@t/q", "ns@u/r"]
         sizes = [100, 100, 100, 200, 100, 10 * MiB, -1, 100, 100]
-        offs = st.reserve_many(keys, sizes, 0.0, 5.0, max_size=MiB)
+        offs = st.reserve_many(keys, sizes, 0.0, 5.0, MiB)
         assert offs[1:3] == [-2, -4] and offs[4] == -4          # stored, busy, repeated
         assert offs[5] == -1 and offs[6] == -1                  # too large, negative
         assert offs[3] == offs[0] + 256 and offs[8] == offs[3] + 256   # fresh: one range
@@ -93,10 +126,28 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         assert st.usage[""] == 400 and st.meta("n/2") == (200, 8)
         # with offsets: a commit naming another slot than the key's reservation commits nothing
         # (a writer whose reservation lapsed while another writer reserved the key elsewhere)
-        a, b = st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0)
+        a, b = st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB)
         got = st.commit_many(["o/a", "o/b"], [1, 2], [a, a])
         assert got[0].offset == a and got[1] is None
         assert st.dram.reserved["o/b"][0].offset == b           # still the other writer's
         assert st.commit_many(["o/b"], [2], [b])[0].offset == b
+    finally:
+        st.close()
+
+
+def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(tmp_path):
+    dram = DramTier(str(tmp_path / "seg4"), 8 * MiB, "abcd4444", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    st = TieredStore(dram, None, "none", 1.0)
+    try:
+        st.quotas = {"t": 1000}
+        put(st, "ns@t/a", b"a" * 800, 0.0)
+        put(st, "other/x", b"x" * 800, 0.0)
+        # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
+        b, c = st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB)
+        assert b >= 0 and c == -1
+        assert "ns@t/a" not in dram.objects and "other/x" in dram.objects
+        assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
+        assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
     finally:
         st.close()
