@@ -13,12 +13,14 @@ class ProtocolError(HicacheError):
     """A frame could not be decoded, or names an unknown message or version.
 
     ``code`` is what the server puts in its ErrorReply: ``bad_request``, ``bad_version`` or
-    ``unknown_type``.
+    ``unknown_type``; ``req_id`` is the request id the frame carried, where it could be read
+    (0 otherwise), for addressing that reply.
     """
 
-    def __init__(self, message: str, code: str = "bad_request"):
+    def __init__(self, message: str, code: str = "bad_request", req_id: int = 0):
         super().__init__(message)
         self.code = code
+        self.req_id = req_id
 
 
 class RemoteError(HicacheError):
