@@ -4,36 +4,53 @@ This is what the ``tcp`` transport moves bytes with, the way the Mooncake TE mov
 RDMA: the client leases (or reserves) objects through the node's ZeroMQ port as for ``shm``,
 then reads (writes) the byte ranges it was given through this socket, straight between the
 kernel and the segment on the node and between the kernel and caller memory on the client:
-no message framing, no extra copy on either side. The node's ZeroMQ loop never touches the
-bytes; each connection is served by a thread that only moves them.
+no message framing, no extra copy on either side. The node's ZeroMQ loop never touches them.
 
-Wire format (one request at a time per connection; ``!`` = network byte order):
+Wire format (``!`` = network byte order). A connection opens with a handshake; the node
+decodes nothing a peer sends before the peer has proved it holds the token:
 
-    request   !I header length, then a msgpack map
-              {"v": STREAM_VERSION, "token": str, "op": "read" | "write", "segment": str,
-               "ranges": [[offset, size], ...]}
+    hello     node: one byte STREAM_VERSION, then a fresh random 32-byte nonce
+    answer    client: 32 bytes, HMAC-SHA256(key = the token in UTF-8, b"" when none is set,
+              msg = b"hicache-mc stream" + nonce)
+    verdict   node: one status byte, 0 = welcome; 1 = refused (a wrong answer, or the node
+              serves MAX_CONNECTIONS already), then !I length and a UTF-8 reason, and close
+
+then requests, one at a time:
+
+    request   !I header length (at most HEADER_MAX), then a msgpack map
+              {"v": STREAM_VERSION, "op": "read" | "write", "segment": str,
+               "ranges": [[offset, size], ...]}          (at most MAX_KEYS ranges)
               a write is followed by the ranges' bytes, back to back
     reply     one status byte: 0 = done; then a read's bytes, back to back, or for a write
               !I length and a msgpack list of the xxh3-64 of each range as stored
               1 = refused, then !I length and a UTF-8 reason; the node closes the connection
 
 A range must lie inside the segment's data area; what it may touch is decided by the lease
-or reservation the client obtained, exactly as for ``shm`` and the TE, and the token guards
-the port like the ZeroMQ one. ``segment`` is the id of the segment the client's offsets are
-in: a node that restarted at the same address (and port) refuses offsets into its
-predecessor's segment instead of writing them over its own objects.
+or reservation the client obtained, exactly as for ``shm`` and the TE. ``segment`` is the id
+of the segment the client's offsets are in: a node that restarted at the same address (and
+port) refuses offsets into its predecessor's segment instead of writing them over its own.
+
+What a peer can cost: peers that have not answered their nonce are all handled by one thread
+(a selectors loop), each holding a 32-byte buffer, at most PENDING_MAX of them (a newcomer
+sheds the oldest) for at most AUTH_TIMEOUT_S. Only an authenticated peer gets a thread (at
+most MAX_CONNECTIONS); it is cut when idle for IDLE_S, when a header is not whole HEADER_S
+after its first byte, or when a CHUNK of a body does not move within BODY_S.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import hmac
 import logging
 import mmap
+import os
+import selectors
 import socket
 import struct
 import threading
 import time
-from contextlib import contextmanager
+from collections import OrderedDict
+from contextlib import contextmanager, suppress
 from typing import Optional, Sequence
 
 import msgpack
@@ -46,20 +63,48 @@ from .base import CHUNK, buffer_at
 
 log = logging.getLogger(__name__)
 
-STREAM_VERSION = 2   # 2: requests name their segment
-MAX_CONNECTIONS = 256
+STREAM_VERSION = 3   # 2: requests name their segment; 3: a handshake replaces the header's token
+AUTH_CONTEXT = b"hicache-mc stream"   # what the answer is the HMAC of, with the nonce
+NONCE_BYTES = ANSWER_BYTES = 32       # a nonce never repeats; an answer is one SHA-256 digest
+# Limits (module-level: tests patch them smaller). Peers not yet authenticated:
+PENDING_MAX = 64       # an honest client answers within a round trip (~0.1 ms on loopback): a
+                       # flood must open this many connections in that time to shed it
+AUTH_TIMEOUT_S = 2.0   # a round trip even on a loaded host; a silent peer holds a slot no longer
+ACCEPT_BATCH = 16      # accepts per turn of the loop: answers already in are read between bursts
+# Authenticated peers, a thread each:
+MAX_CONNECTIONS = 256  # clients keep one per thread per node
+IDLE_S = 60.0          # between requests; the client sees the close (readable()) and reconnects
+HEADER_S = 5.0         # a header must be whole this long after its first byte (it is sent at once)
+BODY_S = 10.0          # each CHUNK of a body must move within this (>= 25 KiB/s) or the peer is cut
+SEGMENT_MAX = 64       # characters of a segment id (a node's are 8 hex digits)
+# What MAX_KEYS ranges can need: four short fields (< 128 bytes with a segment id of
+# SEGMENT_MAX characters) and [offset, size] pairs of at most 19 bytes (fixarray, 2 x uint64)
+HEADER_MAX = 128 + 19 * MAX_KEYS
+_FIELDS = frozenset(("v", "op", "segment", "ranges"))
 _LEN = struct.Struct("!I")
 OK, REFUSED = b"\0", b"\1"
 
 
 # ------------------------------------------------------------------ shared helpers
 
+def _answer(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def _refusal(reason: str) -> bytes:
+    body = reason.encode()
+    return REFUSED + _LEN.pack(len(body)) + body
+
+
 def _recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
-               deadline: Optional[float] = None) -> Optional[int]:
-    """Fill ``view`` from the socket (each chunk by ``deadline`` when given); with ``digest``,
-    the xxh3-64 of what arrived, each chunk hashed as it lands (from cache)."""
-    h, got, n = xxhash.xxh3_64() if digest else None, 0, len(view)
+               deadline: Optional[float] = None, stall: Optional[float] = None) -> Optional[int]:
+    """Fill ``view`` from the socket, all of it by ``deadline`` or each CHUNK within ``stall``
+    seconds when given; with ``digest``, the xxh3-64 of what arrived, each chunk hashed as it
+    lands (from cache)."""
+    h, got, n, mark = xxhash.xxh3_64() if digest else None, 0, len(view), 0
     while got < n:
+        if stall is not None and got >= mark:
+            deadline, mark = time.monotonic() + stall, got + CHUNK
         if deadline is not None:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
         k = sock.recv_into(view[got:], min(CHUNK, n - got))
@@ -71,9 +116,9 @@ def _recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
     return h.intdigest() if h is not None else None
 
 
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+def _recv_bytes(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     buf = bytearray(n)
-    _recv_hash(sock, memoryview(buf), digest=False)
+    _recv_hash(sock, memoryview(buf), digest=False, deadline=deadline)
     return bytes(buf)
 
 
@@ -89,120 +134,251 @@ def _check_ranges(ranges, low: int, high: int) -> list[tuple[int, int]]:
     return out
 
 
+def _decode(raw: bytes, low: int, high: int, segment: str) -> tuple[str, list[tuple[int, int]]]:
+    """A request header's op and ranges, decoded with bounded work (lists of at most
+    MAX_KEYS, short strings, no binaries or extensions, a handful of fields)."""
+    try:
+        head = msgpack.unpackb(raw, raw=False, max_array_len=MAX_KEYS, max_map_len=2 * len(_FIELDS),
+                               max_str_len=SEGMENT_MAX, max_bin_len=0, max_ext_len=0)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(head, dict):
+        raise ProtocolError("header must be a map")
+    if head.get("v") != STREAM_VERSION:
+        raise ProtocolError(f"stream version {head.get('v')!r}; this node speaks {STREAM_VERSION}")
+    if not _FIELDS.issuperset(head):
+        raise ProtocolError(f"unexpected fields {sorted(set(head) - _FIELDS)}")
+    op = head.get("op")
+    if op not in ("read", "write"):
+        raise ProtocolError(f"op must be read or write, got {op!r}")
+    ranges = _check_ranges(head.get("ranges"), low, high)
+    if head.get("segment") != segment:
+        raise ProtocolError(f"offsets of segment {head.get('segment')!r}, this node's is {segment} "
+                            "(it restarted)")
+    return op, ranges
+
+
 # ------------------------------------------------------------------ node side
 
+class _Pending:
+    """An accepted peer that has not answered its nonce yet: all the node holds for it."""
+    __slots__ = ("sock", "nonce", "buf", "got", "deadline")
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.nonce, self.deadline = sock, os.urandom(NONCE_BYTES), deadline
+        self.buf, self.got = bytearray(ANSWER_BYTES), 0
+
+
 class StreamServer:
-    """A listening socket and one thread per connection, serving ranges of ``mm`` from
-    ``low`` (the end of the segment header) to its end."""
+    """A listening socket, one thread taking every new peer through the handshake, and a
+    thread per authenticated connection, serving ranges of ``mm`` from ``low`` (the end of the
+    segment header) to its end."""
 
     def __init__(self, mm: mmap.mmap, host: str, port: int, token: str, low: int, segment: str):
         self._anchor = ctypes.c_char.from_buffer(mm)
         self.base, self.size, self.low = ctypes.addressof(self._anchor), len(mm), low
-        self.token, self.segment = token, segment
-        self.listener = socket.create_server((host, port), backlog=128)
+        self.token, self.segment, self._key = token, segment, token.encode()
+        # a deep backlog: the handshake thread drains it fast, shedding the oldest
+        self.listener = socket.create_server((host, port), backlog=1024)
+        self.listener.setblocking(False)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()   # oldest first
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()    # close() ends the selector's wait
+        self._sel.register(self.listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = False
-        self.counters = {"stream_reads": 0, "stream_writes": 0, "stream_refused": 0}
-        self._acceptor = threading.Thread(target=self._accept, name="hicache-mc-stream", daemon=True)
-        self._acceptor.start()
+        self._warned: dict[str, float] = {}
+        self.counters = {"stream_reads": 0, "stream_writes": 0, "stream_refused": 0,
+                         "stream_auth_failed": 0, "stream_auth_timeout": 0, "stream_shed": 0}
+        self._gate = threading.Thread(target=self._handshakes, name="hicache-mc-stream", daemon=True)
+        self._gate.start()
         log.info("stream port on %s", self.address)
 
-    def _accept(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                if self._stopping:
-                    return
-                time.sleep(0.05)
-                continue
-            with self._lock:
-                if self._stopping or len(self._conns) >= MAX_CONNECTIONS:
-                    conn.close()
-                    continue
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name="hicache-mc-stream-conn")
-                self._conns[conn] = t
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _handshakes(self) -> None:
+        """The one thread for every peer not yet authenticated: accept, send the hello, collect
+        answers into their 32-byte buffers, shed and expire."""
         try:
             while not self._stopping:
+                for key, _ in self._sel.select(self._expire()):
+                    try:
+                        if key.fileobj is self.listener:
+                            self._accept_some()
+                        elif isinstance(key.data, _Pending):
+                            self._on_answer(key.data)
+                    except Exception:       # a bug must not take the port down for everyone
+                        log.exception("stream port: handshake step failed")
+                        if isinstance(key.data, _Pending):
+                            self._forget(key.data)
+        finally:
+            for p in list(self._pending.values()):
+                self._forget(p)
+            self._sel.close()
+            self.listener.close()
+
+    def _expire(self) -> Optional[float]:
+        """Close the pending peers past their deadline (oldest first: deadlines follow
+        arrival); seconds until the next is due, None when none waits."""
+        now = time.monotonic()
+        while self._pending:
+            p = next(iter(self._pending.values()))
+            if p.deadline > now:
+                return p.deadline - now
+            self.counters["stream_auth_timeout"] += 1
+            self._forget(p)
+        return None
+
+    def _forget(self, p: _Pending) -> None:
+        if self._pending.pop(p.sock, None) is not None:
+            self._sel.unregister(p.sock)
+        p.sock.close()
+
+    def _accept_some(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:      # out of descriptors: they wait in the backlog
+                self._warn("accept", "stream port: accept failed: %s", exc)
+                time.sleep(0.01)
+                return
+            if len(self._pending) >= PENDING_MAX:
+                self.counters["stream_shed"] += 1
+                self._forget(next(iter(self._pending.values())))
+            p = _Pending(conn, time.monotonic() + AUTH_TIMEOUT_S)
+            hello = bytes((STREAM_VERSION,)) + p.nonce
+            try:
+                conn.setblocking(False)
+                if conn.send(hello) != len(hello):   # a fresh socket's buffer takes 33 bytes
+                    raise OSError("short send of the hello")
+            except OSError:
+                conn.close()
+                continue
+            self._pending[conn] = p
+            self._sel.register(conn, selectors.EVENT_READ, p)
+
+    def _on_answer(self, p: _Pending) -> None:
+        try:
+            k = p.sock.recv_into(memoryview(p.buf)[p.got:])   # never past the 32 bytes
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            k = 0
+        if k == 0:
+            self._forget(p)
+            return
+        p.got += k
+        if p.got < ANSWER_BYTES:
+            return
+        del self._pending[p.sock]
+        self._sel.unregister(p.sock)
+        if not hmac.compare_digest(p.buf, _answer(self._key, p.nonce)):
+            self.counters["stream_auth_failed"] += 1
+            self._warn("auth", "stream port: a peer failed the handshake (wrong token)")
+            self._turn_away(p.sock, "wrong token")
+            return
+        with self._lock:
+            full = self._stopping or len(self._conns) >= MAX_CONNECTIONS
+            if not full:
+                t = self._conns[p.sock] = threading.Thread(
+                    target=self._serve, args=(p.sock,), daemon=True, name="hicache-mc-stream-conn")
+        if full:
+            self.counters["stream_shed"] += 1
+            self._turn_away(p.sock, f"the node serves {MAX_CONNECTIONS} connections already")
+        else:
+            t.start()
+
+    @staticmethod
+    def _turn_away(conn: socket.socket, reason: str) -> None:
+        """The verdict 'refused' without waiting (a fresh socket's buffer takes it whole)."""
+        with suppress(OSError):
+            conn.send(_refusal(reason))
+        conn.close()
+
+    def _warn(self, kind: str, msg: str, *args) -> None:
+        """Log at most every 10 s per kind: a flood must not flood the log as well."""
+        now = time.monotonic()
+        if now - self._warned.get(kind, -10.0) >= 10.0:
+            self._warned[kind] = now
+            log.warning(msg, *args)
+
+    def _serve(self, conn: socket.socket) -> None:
+        """An authenticated connection's requests, until it closes, idles, stalls or errs."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            conn.settimeout(BODY_S)
+            conn.sendall(OK)                # the verdict: welcome
+            while not self._stopping:
                 try:
-                    head = _recv_bytes(conn, 4)
-                except ConnectionError:
-                    return      # the client went away between requests
-                try:
-                    op, ranges = self._parse(conn, _LEN.unpack(head)[0])
+                    raw = self._header(conn)
+                    if raw is None:
+                        return              # the client went away, or idled past IDLE_S
+                    op, ranges = _decode(raw, self.low, self.size, self.segment)
                 except ProtocolError as exc:
                     self.counters["stream_refused"] += 1
-                    log.warning("stream port: refused a request: %s", exc)
-                    reason = str(exc).encode()
-                    conn.sendall(REFUSED + _LEN.pack(len(reason)) + reason)
+                    self._warn("refused", "stream port: refused a request: %s", exc)
+                    conn.settimeout(BODY_S)
+                    conn.sendall(_refusal(str(exc)))
                     return
+                conn.settimeout(BODY_S)     # each sendall: one CHUNK within BODY_S
                 # counted before the reply: a client that has its answer sees it in the stats
                 if op == "read":
                     self.counters["stream_reads"] += len(ranges)
                     conn.sendall(OK)
                     for off, size in ranges:
-                        if size:
-                            conn.sendall(buffer_at(self.base + off, size))
+                        view = buffer_at(self.base + off, size)
+                        for i in range(0, size, CHUNK):
+                            conn.sendall(view[i: i + CHUNK])
                 else:   # each chunk hashed right after it lands (from cache)
-                    sums = [_recv_hash(conn, buffer_at(self.base + off, size)) for off, size in ranges]
+                    sums = [_recv_hash(conn, buffer_at(self.base + off, size), stall=BODY_S)
+                            for off, size in ranges]
                     body = msgpack.packb(sums)
                     self.counters["stream_writes"] += len(ranges)
+                    conn.settimeout(BODY_S)
                     conn.sendall(OK + _LEN.pack(len(body)) + body)
         except OSError:
-            pass            # the client vanished mid-transfer: its lease or reservation lapses
+            pass            # the client vanished mid-transfer, or stalled: its lease lapses
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _parse(self, conn: socket.socket, n: int) -> tuple[str, list[tuple[int, int]]]:
-        if n > MAX_HEADER_BYTES:
-            raise ProtocolError(f"header of {n} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    def _header(self, conn: socket.socket) -> Optional[bytes]:
+        """The next request's header (None: the peer closed, or sent nothing for IDLE_S), its
+        length checked before anything is allocated for it."""
+        conn.settimeout(IDLE_S)
         try:
-            head = msgpack.unpackb(_recv_bytes(conn, n), raw=False)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise ProtocolError(f"undecodable header: {exc}") from None
-        if not isinstance(head, dict):
-            raise ProtocolError("header must be a map")
-        if head.get("v") != STREAM_VERSION:
-            raise ProtocolError(f"stream version {head.get('v')!r}; this node speaks {STREAM_VERSION}")
-        token = head.get("token", "")
-        if self.token and not (isinstance(token, str) and hmac.compare_digest(token, self.token)):
-            raise ProtocolError("missing or wrong token")
-        op = head.get("op")
-        if op not in ("read", "write"):
-            raise ProtocolError(f"op must be read or write, got {op!r}")
-        ranges = _check_ranges(head.get("ranges"), self.low, self.size)
-        if head.get("segment") != self.segment:
-            raise ProtocolError(f"offsets of segment {head.get('segment')!r}, this node's is {self.segment} "
-                                "(it restarted)")
-        return op, ranges
+            first = conn.recv(_LEN.size)
+        except socket.timeout:
+            return None
+        if not first:
+            return None
+        deadline = time.monotonic() + HEADER_S
+        n = _LEN.unpack(first + _recv_bytes(conn, _LEN.size - len(first), deadline))[0]
+        if n > HEADER_MAX:
+            raise ProtocolError(f"header of {n} bytes is over the {HEADER_MAX}-byte limit")
+        return _recv_bytes(conn, n, deadline)
 
     def close(self) -> None:
-        """Stop accepting, cut every connection, wait for their threads (they touch the
+        """Stop the handshakes, cut every connection, wait for their threads (they touch the
         segment: it must outlive them)."""
         self._stopping = True
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-        self._acceptor.join(2.0)
+        with suppress(OSError):
+            self._wake_w.send(b"x")
+        self._gate.join(2.0)
+        if self._gate.is_alive():
+            log.warning("the stream port's handshake thread did not stop")
+        self._wake_r.close()
+        self._wake_w.close()
         with self._lock:
             conns = list(self._conns.items())
         for conn, _ in conns:
-            try:
+            with suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for _, t in conns:
             t.join(2.0)
             if t.is_alive():
@@ -217,6 +393,7 @@ class StreamClient:
 
     def __init__(self, token: str = ""):
         self.token = token
+        self._key = token.encode()
         self._local = threading.local()
         self._all: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -228,21 +405,38 @@ class StreamClient:
         sock = conns.get(address)
         if sock is not None and readable(sock):
             # between requests the node sends nothing: bytes or an end of stream now mean it
-            # closed the connection (it restarted, or dropped the socket); connect anew
+            # closed the connection (it restarted, dropped the socket, or it sat idle past
+            # the node's IDLE_S); connect anew
             self._drop(address)
             sock = None
         if sock is None:
-            host, port = address.rsplit(":", 1)
-            try:
-                sock = socket.create_connection((host.strip("[]"), int(port)),
-                                                timeout=max(0.001, deadline - time.monotonic()))
-            except OSError as exc:
-                raise StoreUnavailable(f"stream port {address}: {exc}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sock = self._connect(address, deadline)
             conns[address] = sock
             with self._lock:
                 self._all.add(sock)
+        return sock
+
+    def _connect(self, address: str, deadline: float) -> socket.socket:
+        """A new connection that has passed the node's handshake, all by ``deadline``."""
+        host, port = address.rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=max(0.001, deadline - time.monotonic()))
+        except OSError as exc:
+            raise StoreUnavailable(f"stream port {address}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            hello = _recv_bytes(sock, 1 + NONCE_BYTES, deadline)
+            if hello[0] != STREAM_VERSION:
+                raise ProtocolError(f"stream port {address} speaks version {hello[0]}, "
+                                    f"this client {STREAM_VERSION}")
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(_answer(self._key, hello[1:]))
+            self._status(sock, address)
+        except BaseException:
+            sock.close()
+            raise
         return sock
 
     def _drop(self, address: str) -> None:
@@ -253,7 +447,7 @@ class StreamClient:
             sock.close()
 
     def _request(self, sock: socket.socket, op: str, segment: str, offsets, sizes) -> None:
-        head = msgpack.packb({"v": STREAM_VERSION, "token": self.token, "op": op, "segment": segment,
+        head = msgpack.packb({"v": STREAM_VERSION, "op": op, "segment": segment,
                               "ranges": [[o, s] for o, s in zip(offsets, sizes)]})
         sock.sendall(_LEN.pack(len(head)) + head)
 
@@ -269,8 +463,8 @@ class StreamClient:
     def _session(self, address: str, deadline: float, what: str):
         """This thread's connection to ``address``; any failure drops it (a transfer cut
         midway leaves the stream in an unknown state) and is reported as the store's."""
-        sock = self._conn(address, deadline)
         try:
+            sock = self._conn(address, deadline)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             yield sock
         except (OSError, ProtocolError) as exc:

@@ -1,5 +1,8 @@
 """The tcp transport's stream port: bytes straight into and out of the node's DRAM segment,
-refusals of bad requests (the node keeps serving), lease release, a node killed mid-transfer."""
+refusals of bad requests (the node keeps serving), lease release, a node killed mid-transfer.
+(tests/transport/test_stream_guard.py: the handshake and the limits, against one StreamServer.)"""
+import hashlib
+import hmac
 import socket
 import struct
 import threading
@@ -11,7 +14,7 @@ import pytest
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
-from hicache_mc.transport.stream import STREAM_VERSION
+from hicache_mc.transport.stream import HEADER_MAX, STREAM_VERSION
 from procs import Cluster, request
 
 
@@ -60,20 +63,46 @@ def test_finished_readers_release_their_leases(store, transport):
     assert node_stats(node["address"])["quarantined"] == 0
 
 
-def stream_request(address: str, header, trailer: bytes = b"") -> tuple[bytes, str]:
-    """Send one raw request to a stream port; (status byte, reason) of the reply."""
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        part = s.recv(n - len(out))
+        if not part:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += part
+    return out
+
+
+def read_reply(s: socket.socket) -> tuple[bytes, str]:
+    """(status byte, reason) of a verdict or a reply."""
+    status = recv_exact(s, 1)
+    if status != b"\1":
+        return status, ""
+    n = struct.unpack("!I", recv_exact(s, 4))[0]
+    return status, recv_exact(s, n).decode()
+
+
+def connect(address: str, token: str = "") -> tuple[socket.socket, tuple[bytes, str]]:
+    """A raw connection to a stream port that has answered its hello; the node's verdict."""
     host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
+    s = socket.create_connection((host, int(port)), timeout=5)
+    hello = recv_exact(s, 33)
+    s.sendall(hmac.new(token.encode(), b"hicache-mc stream" + hello[1:], hashlib.sha256).digest())
+    return s, read_reply(s)
+
+
+def authenticated(address: str, token: str = "") -> socket.socket:
+    s, verdict = connect(address, token)
+    assert verdict == (b"\0", ""), verdict
+    return s
+
+
+def stream_request(address: str, header, trailer: bytes = b"", token: str = "") -> tuple[bytes, str]:
+    """Send one raw request to a stream port; (status byte, reason) of the reply."""
+    with authenticated(address, token) as s:
         body = header if isinstance(header, bytes) else msgpack.packb(header)
         s.sendall(struct.pack("!I", len(body)) + body + trailer)
-        status = s.recv(1)
-        if status != b"\1":
-            return status, ""
-        n = struct.unpack("!I", s.recv(4))[0]
-        reason = b""
-        while len(reason) < n:
-            reason += s.recv(n - len(reason))
-        return status, reason.decode()
+        return read_reply(s)
 
 
 def segment(node: dict) -> str:
@@ -81,7 +110,7 @@ def segment(node: dict) -> str:
 
 
 def good(**over):
-    head = {"v": STREAM_VERSION, "token": "", "op": "read", "ranges": [[4096, 16]]}
+    head = {"v": STREAM_VERSION, "op": "read", "ranges": [[4096, 16]]}
     head.update(over)
     return head
 
@@ -123,11 +152,10 @@ def test_offsets_of_another_segment_are_refused(store):
 
 
 def test_oversized_header_is_refused_before_it_is_read(store):
-    host, port = node_record(store)["data_address"].rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(struct.pack("!I", P.MAX_HEADER_BYTES + 1))
-        assert s.recv(1) == b"\1"
-        assert b"limit" in s.recv(4096)
+    with authenticated(node_record(store)["data_address"]) as s:
+        s.sendall(struct.pack("!I", HEADER_MAX + 1))
+        status, reason = read_reply(s)
+        assert status == b"\1" and "limit" in reason, reason
 
 
 def test_stream_port_checks_the_token(tmp_path):
@@ -135,10 +163,11 @@ def test_stream_port_checks_the_token(tmp_path):
     try:
         cluster.start_serve()
         node = node_record(cluster)
-        status, reason = stream_request(node["data_address"], good())
-        assert status == b"\1" and "token" in reason
-        assert stream_request(node["data_address"], good(token="wrong"))[0] == b"\1"
-        assert stream_request(node["data_address"], good(token="s3cret", segment=segment(node)))[0] == b"\0"
+        for wrong in ("", "wrong"):
+            s, (status, reason) = connect(node["data_address"], wrong)
+            s.close()
+            assert status == b"\1" and "token" in reason, reason
+        assert stream_request(node["data_address"], good(segment=segment(node)), token="s3cret")[0] == b"\0"
         with StoreClient(cluster.master, transport="tcp", token="s3cret") as c:
             assert c.put("tok/a", b"x" * 5000) and c.get("tok/a") == b"x" * 5000
     finally:

@@ -1,0 +1,287 @@
+"""The stream port against peers that have not authenticated, or misbehave once they have:
+the handshake comes first, pending peers cost no thread and a fixed buffer, floods are shed
+oldest first, slow peers are cut, and the server keeps serving everyone else throughout.
+
+A real StreamServer over an anonymous mapping, no cluster: the limits are module constants,
+patched smaller here so the tests wait fractions of a second.
+"""
+import hashlib
+import hmac
+import mmap
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+
+import msgpack
+import numpy as np
+import pytest
+import xxhash
+
+from hicache_mc.errors import ProtocolError, StoreUnavailable
+from hicache_mc.transport import stream
+from hicache_mc.transport.stream import StreamClient, StreamServer
+
+SIZE, LOW, SEG, TOKEN = 64 << 20, 4096, "s1", "secret"
+
+
+@pytest.fixture
+def server():
+    mm = mmap.mmap(-1, SIZE)
+    srv = StreamServer(mm, "127.0.0.1", 0, TOKEN, LOW, SEG)
+    yield srv
+    srv.close()
+    mm.close()
+
+
+def connect(srv: StreamServer) -> socket.socket:
+    host, port = srv.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        part = s.recv(n - len(out))
+        if not part:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += part
+    return out
+
+
+def handshake(s: socket.socket, token: str = TOKEN, hello: bytes = b"") -> bytes:
+    """Answer the node's hello (read here unless given) as the wire format says; the node's
+    verdict byte."""
+    hello = hello or recv_exact(s, 33)
+    assert hello[0] == stream.STREAM_VERSION
+    s.sendall(hmac.new(token.encode(), b"hicache-mc stream" + hello[1:], hashlib.sha256).digest())
+    return recv_exact(s, 1)
+
+
+def refusal(s: socket.socket) -> str:
+    n = struct.unpack("!I", recv_exact(s, 4))[0]
+    return recv_exact(s, n).decode()
+
+
+def closed_within(s: socket.socket, seconds: float) -> bool:
+    """Whether the peer closes ``s`` within ``seconds`` (whatever it sends first is skipped)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        s.settimeout(max(0.001, end - time.monotonic()))
+        try:
+            if not s.recv(1 << 16):
+                return True
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def round_trip(srv: StreamServer, client: StreamClient, n: int = 16, size: int = 1 << 20, seed: int = 0):
+    src = np.random.default_rng(seed).integers(0, 256, n * size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets, sizes = [LOW + i * size for i in range(n)], [size] * n
+    deadline = time.monotonic() + 10
+    sums = client.write(srv.address, SEG, offsets, [src.ctypes.data + i * size for i in range(n)],
+                        sizes, deadline)
+    assert sums == [xxhash.xxh3_64_intdigest(src[i * size:(i + 1) * size]) for i in range(n)]
+    got = client.read(srv.address, SEG, offsets, [dst.ctypes.data + i * size for i in range(n)],
+                      sizes, deadline, True)
+    assert got == sums and np.array_equal(src, dst)
+
+
+def test_round_trip_with_the_token(server):
+    client = StreamClient(TOKEN)
+    try:
+        round_trip(server, client)
+        round_trip(server, client, n=3, size=5000, seed=1)     # again, on the pooled connection
+    finally:
+        client.close()
+    assert server.counters["stream_writes"] == 19 and server.counters["stream_reads"] == 19
+    assert server.counters["stream_auth_failed"] == 0
+
+
+def test_a_wrong_token_is_refused_and_the_server_keeps_serving(server):
+    bad = StreamClient("wrong")
+    src = np.ones(4096, dtype=np.uint8)
+    start = time.monotonic()
+    with pytest.raises((StoreUnavailable, ProtocolError)):
+        bad.write(server.address, SEG, [LOW], [src.ctypes.data], [4096], time.monotonic() + 5)
+    assert time.monotonic() - start < 2
+    bad.close()
+    with connect(server) as s:
+        assert handshake(s, "wrong") == b"\1" and "token" in refusal(s)
+        assert closed_within(s, 2)
+    assert server.counters["stream_auth_failed"] == 2
+    client = StreamClient(TOKEN)
+    try:
+        round_trip(server, client)
+    finally:
+        client.close()
+
+
+def test_an_idle_flood_neither_starves_honest_clients_nor_costs_threads(server):
+    before = threading.active_count()
+    flood = [connect(server) for _ in range(1000)]
+    try:
+        client = StreamClient(TOKEN)
+        start = time.monotonic()
+        round_trip(server, client)
+        assert time.monotonic() - start < 2
+        client.close()
+        assert threading.active_count() - before < 20
+        assert closed_within(flood[0], 2)          # shed, oldest first
+        assert server.counters["stream_shed"] >= 1000 - stream.PENDING_MAX
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_the_oldest_pending_peer_is_shed(server, monkeypatch):
+    monkeypatch.setattr(stream, "PENDING_MAX", 4)
+    peers = [connect(server) for _ in range(5)]
+    try:
+        hellos = [recv_exact(s, 33) for s in peers]     # all accepted: each got its hello
+        assert closed_within(peers[0], 2)
+        assert handshake(peers[4], hello=hellos[4]) == b"\0"
+        assert server.counters["stream_shed"] == 1
+    finally:
+        for s in peers:
+            s.close()
+
+
+def test_a_huge_length_before_the_handshake_allocates_nothing(server, monkeypatch):
+    monkeypatch.setattr(stream, "AUTH_TIMEOUT_S", 0.5)
+    tracemalloc.start()
+    try:
+        with connect(server) as s:
+            s.sendall(struct.pack("!I", 16 << 20))
+            assert closed_within(s, 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    assert server.counters["stream_auth_timeout"] == 1
+
+
+def test_a_huge_length_after_the_handshake_is_refused_before_it_is_read(server):
+    tracemalloc.start()
+    try:
+        with connect(server) as s:
+            assert handshake(s) == b"\0"
+            s.sendall(struct.pack("!I", 16 << 20))
+            assert recv_exact(s, 1) == b"\1" and "limit" in refusal(s)
+            assert closed_within(s, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_a_silent_peer_is_closed_after_the_auth_timeout(server, monkeypatch):
+    monkeypatch.setattr(stream, "AUTH_TIMEOUT_S", 0.3)
+    with connect(server) as s:
+        recv_exact(s, 33)
+        assert closed_within(s, 2)
+    assert server.counters["stream_auth_timeout"] == 1
+
+
+def trickle_until_closed(s: socket.socket, seconds: float) -> bool:
+    """Send a byte every 0.1 s; whether the node closed ``s`` within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            s.send(b"x")
+        except OSError:
+            return True
+        if closed_within(s, 0.1):
+            return True
+    return False
+
+
+def test_a_trickling_unauthenticated_peer_is_closed(server, monkeypatch):
+    monkeypatch.setattr(stream, "AUTH_TIMEOUT_S", 0.5)
+    with connect(server) as s:
+        recv_exact(s, 33)
+        s.sendall(struct.pack("!I", 100))
+        assert trickle_until_closed(s, 2)
+
+
+def test_a_trickled_header_is_cut(server, monkeypatch):
+    monkeypatch.setattr(stream, "HEADER_S", 0.5)
+    with connect(server) as s:
+        assert handshake(s) == b"\0"
+        s.sendall(struct.pack("!I", 100))
+        assert trickle_until_closed(s, 2)
+
+
+def test_a_stalled_write_body_is_cut(server, monkeypatch):
+    monkeypatch.setattr(stream, "BODY_S", 0.5)
+    head = msgpack.packb({"v": stream.STREAM_VERSION, "op": "write", "segment": SEG,
+                          "ranges": [[LOW, 1 << 20]]})
+    with connect(server) as s:
+        assert handshake(s) == b"\0"
+        s.sendall(struct.pack("!I", len(head)) + head + b"x" * 1000)
+        assert closed_within(s, 2)
+    client = StreamClient(TOKEN)
+    try:
+        round_trip(server, client, n=2)
+    finally:
+        client.close()
+
+
+def test_an_idle_connection_is_closed_and_the_client_reconnects(server, monkeypatch):
+    monkeypatch.setattr(stream, "IDLE_S", 0.3)
+    client = StreamClient(TOKEN)
+    try:
+        round_trip(server, client, n=2)
+        time.sleep(0.8)
+        round_trip(server, client, n=2, seed=2)
+    finally:
+        client.close()
+
+
+BAD = [
+    ("not msgpack", b"\xc1\xc1\xc1", "undecodable"),
+    ("a long string", {"v": 3, "op": "read", "segment": "s" * 100_000, "ranges": []}, "undecodable"),
+    ("a token in the header", {"v": 3, "token": TOKEN, "op": "read", "segment": SEG,
+                               "ranges": [[LOW, 1]]}, "unexpected"),
+    ("a big map", {str(i): i for i in range(100)}, "undecodable"),
+    ("ranges of triples", {"v": 3, "op": "read", "segment": SEG, "ranges": [[LOW, 1, 2]]}, "bad range"),
+    ("version 2", {"v": 2, "op": "read", "segment": SEG, "ranges": []}, "version"),
+]
+
+
+@pytest.mark.parametrize("name,header,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_headers_are_refused_with_a_reason(server, name, header, words):
+    body = header if isinstance(header, bytes) else msgpack.packb(header)
+    with connect(server) as s:
+        assert handshake(s) == b"\0"
+        s.sendall(struct.pack("!I", len(body)) + body)
+        assert recv_exact(s, 1) == b"\1"
+        reason = refusal(s)
+        assert words in reason, reason
+        assert closed_within(s, 2)
+    assert server.counters["stream_refused"] == 1
+    client = StreamClient(TOKEN)
+    try:
+        round_trip(server, client, n=2)
+    finally:
+        client.close()
+
+
+def test_authenticated_connections_are_capped(server, monkeypatch):
+    monkeypatch.setattr(stream, "MAX_CONNECTIONS", 2)
+    peers = [connect(server) for _ in range(3)]
+    try:
+        assert [handshake(s) for s in peers[:2]] == [b"\0", b"\0"]
+        assert handshake(peers[2]) == b"\1" and "connections" in refusal(peers[2])
+        peers[0].close()
+        time.sleep(0.2)
+        with connect(server) as s:
+            assert handshake(s) == b"\0"
+    finally:
+        for s in peers:
+            s.close()
