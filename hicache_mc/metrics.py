@@ -3,14 +3,19 @@
 A service builds its metric families on its own loop thread (``Service.publish_metrics``,
 once a second) and the HTTP thread serves the last snapshot, so scraping never touches the
 loop's live dictionaries. Opt-in: ``metrics_port`` (0 = off), bound to ``metrics_host``
-(127.0.0.1 by default).
+(127.0.0.1 by default). The port is open to whoever reaches it: the server holds every
+connection to a fixed buffer, a deadline and a cap, on one thread (see MetricsServer).
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import selectors
+import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections import OrderedDict
+from contextlib import suppress
 from typing import Callable, Iterable, Optional
 
 log = logging.getLogger(__name__)
@@ -100,32 +105,133 @@ def render(families: Iterable[Family]) -> str:
     return "\n".join(out) + "\n"
 
 
+# The HTTP side: every connection on one thread, each held to a fixed buffer and a deadline
+# (module-level: tests patch them smaller).
+REQUEST_MAX = 8 << 10     # request line and headers; a scrape sends ~200 bytes
+REQUEST_S = 2.0           # to send the whole request, from the accept
+REPLY_S = 10.0            # to take the whole reply (a few KiB to a few hundred)
+CONNECTIONS_MAX = 64      # Prometheus keeps one or two; a newcomer sheds the oldest past this
+ACCEPT_BATCH = 16         # accepts per turn of the loop: peers already in are served between bursts
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error"}
+
+
+class _Peer:
+    __slots__ = ("sock", "buf", "got", "out", "deadline")
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf, self.got, self.out = sock, bytearray(REQUEST_MAX), 0, None
+        self.deadline = time.monotonic() + REQUEST_S
+
+
 class MetricsServer:
-    """``GET /metrics`` on a daemon thread, serving what ``source()`` returns (text)."""
+    """``GET /metrics`` serving what ``source()`` returns (text), anything else 404; every
+    reply closes its connection. One thread runs a selectors loop over all connections: an
+    idle or slow peer costs a slot and 8 KiB until its deadline, never a thread."""
 
     def __init__(self, host: str, port: int, source: Callable[[], str]):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = source().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # scrapes are not news
-                pass
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+        self.source = source
+        self.listener = socket.create_server((host, port), backlog=1024)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self._peers: OrderedDict[socket.socket, _Peer] = OrderedDict()     # oldest first
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()    # close() ends the selector's wait
+        self._sel.register(self.listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._loop, name="metrics", daemon=True)
         self.thread.start()
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                for p in [p for p in self._peers.values() if p.deadline <= now]:
+                    self._drop(p)
+                wait = min(p.deadline for p in self._peers.values()) - now if self._peers else None
+                for key, _ in self._sel.select(wait):
+                    try:
+                        if key.fileobj is self.listener:
+                            self._accept()
+                        elif isinstance(key.data, _Peer):
+                            self._step(key.data)
+                    except Exception:       # a bug must not end scraping for good
+                        log.exception("metrics: serving a connection failed")
+                        if isinstance(key.data, _Peer):
+                            self._drop(key.data)
+        finally:
+            for p in list(self._peers.values()):
+                self._drop(p)
+            self._sel.close()
+            self.listener.close()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:     # none left (or out of descriptors: they wait in the backlog)
+                return
+            if len(self._peers) >= CONNECTIONS_MAX:
+                self._drop(next(iter(self._peers.values())))
+            sock.setblocking(False)
+            p = self._peers[sock] = _Peer(sock)
+            self._sel.register(sock, selectors.EVENT_READ, p)
+
+    def _drop(self, p: _Peer) -> None:
+        if self._peers.pop(p.sock, None) is not None:
+            self._sel.unregister(p.sock)
+        p.sock.close()
+
+    def _step(self, p: _Peer) -> None:
+        """Read more of the request, or send more of the reply."""
+        try:
+            if p.out is not None:
+                p.out = p.out[p.sock.send(p.out):]
+                if not p.out:
+                    self._drop(p)
+                return
+            k = p.sock.recv_into(memoryview(p.buf)[p.got:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            k = 0
+        if k == 0:
+            self._drop(p)
+            return
+        p.got += k
+        end = p.buf.find(b"\r\n\r\n", 0, p.got)
+        if end >= 0:
+            self._reply(p, *self._answer(bytes(p.buf[:end])))
+        elif p.got == len(p.buf):
+            self._reply(p, 431, f"request over {REQUEST_MAX} bytes\n")
+
+    def _answer(self, head: bytes) -> tuple[int, str]:
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) != 3:
+            return 400, "bad request line\n"
+        if parts[0] != b"GET" or parts[1].split(b"?", 1)[0] != b"/metrics":
+            return 404, "only GET /metrics is served here\n"
+        try:
+            return 200, self.source()
+        except Exception:
+            log.exception("metrics: the source failed")
+            return 500, "metrics unavailable\n"
+
+    def _reply(self, p: _Peer, code: int, text: str) -> None:
+        body = text.encode()
+        ctype = "text/plain; version=0.0.4" if code == 200 else "text/plain"
+        p.out = memoryview(f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n"
+                           f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        p.buf, p.deadline = b"", time.monotonic() + REPLY_S     # the request buffer is done with
+        self._sel.modify(p.sock, selectors.EVENT_WRITE, p)
+        self._step(p)
+
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._stopping = True
+        with suppress(OSError):
+            self._wake_w.send(b"x")
+        self.thread.join(2.0)
+        self._wake_r.close()
+        self._wake_w.close()
