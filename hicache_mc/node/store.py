@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import Optional
 
 from ..keys import tenant_of
-from ..protocol import RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
+from ..protocol import MAX_TENANTS, RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
 from .dram import DramTier, Obj
 from .ssd import Job, SsdTier
 
@@ -463,7 +463,7 @@ class TieredStore:
             st["objects_total"] = len(set(self.dram.objects) | set(self.ssd.index))
         else:
             st["objects_total"] = st["objects"]
-        st["tenants"] = {t: b for t, b in self.usage.items() if b}
+        st["tenants"] = top_tenants(self.usage)
         st["quota_evictions"] = self.quota_evictions
         return st
 
@@ -473,3 +473,14 @@ class TieredStore:
                 self.ssd.writer.jobs.put(Job("fsync"))
             self.ssd.close()
         self.dram.close()
+
+
+def top_tenants(usage: dict[str, int], most: int = MAX_TENANTS) -> dict[str, int]:
+    """The bytes of the ``most - 1`` biggest tenants, the rest summed under "(other)": a
+    node's stats stay within what a heartbeat may carry however many tenants write to it."""
+    held = {t: b for t, b in usage.items() if b}
+    if len(held) < most:
+        return held
+    top = dict(sorted(held.items(), key=lambda kv: kv[1], reverse=True)[: most - 1])
+    top["(other)"] = sum(held.values()) - sum(top.values())
+    return top

@@ -151,3 +151,12 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(t
         assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
     finally:
         st.close()
+
+
+def test_stats_name_at_most_max_tenants_tenants():
+    from hicache_mc.node.store import top_tenants
+    usage = {f"t{i}": i for i in range(1, 3001)}
+    top = top_tenants(usage, most=1024)
+    assert len(top) == 1024 and top["t3000"] == 3000 and "t1" not in top
+    assert sum(top.values()) == sum(usage.values())
+    assert top_tenants({"a": 5, "b": 0}) == {"a": 5}
