@@ -53,9 +53,9 @@ class FakeNode:
 
     def call(self, msg):
         with self.lock:
-            self.sock.send_multipart(P.encode(msg, 1))
+            self.sock.send(P.encode(msg, 1))
             assert self.sock.poll(30_000)
-            return P.decode(self.sock.recv_multipart())[0]
+            return P.decode(self.sock.recv()).msg
 
     def heartbeat_forever(self):
         while not self.stop.wait(0.5):

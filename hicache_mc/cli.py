@@ -21,8 +21,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=args.token, metrics_port=args.metrics_port,
-                       direct_port=args.direct_port)
+                       port=args.port, token=args.token, metrics_port=args.metrics_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
@@ -30,8 +29,7 @@ def _node_config(args, master: Optional[str] = None) -> NodeConfig:
                        host=args.host, port=args.node_port, dram=args.dram, token=args.token,
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
-                       te_protocol=args.te_protocol, data_port=args.data_port,
-                       direct_port=args.node_direct_port)
+                       te_protocol=args.te_protocol, data_port=args.data_port)
 
 
 def node_options(sp) -> None:
@@ -47,8 +45,6 @@ def node_options(sp) -> None:
                     help="Prometheus /metrics port of the node (default 0: off)")
     sp.add_argument("--data-port", type=int,
                     help="the node's stream port for the tcp transport (default 0: any free port)")
-    sp.add_argument("--node-direct-port", type=int,
-                    help="the node's direct request port, plain TCP (default 0: any free port; -1: off)")
 
 
 def run_services(services, children=()) -> bool:
@@ -151,13 +147,12 @@ def cmd_node(args) -> int:
 def _admin(args, msg):
     """One request to the master; the reply, or None when it does not answer."""
     import zmq
-    from . import protocol as P
     from .errors import HicacheError
     from .rpc import Channel
     ctx = zmq.Context()
     ch = Channel(ctx, args.master, args.token or "")
     try:
-        return ch.call(msg, args.timeout)[0]
+        return ch.call(msg, args.timeout)
     except HicacheError as exc:
         print(f"hicache-mc: {exc}", file=sys.stderr)
         return None
@@ -243,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp, master=False):
         sp.add_argument("--config", help="TOML or JSON config file ([master] / [node] sections)")
-        sp.add_argument("--token", help="shared secret required on every request")
+        sp.add_argument("--token", help="the cluster's shared secret, or @FILE to read it from a file")
         if master:
             sp.add_argument("--master", default=DEFAULT_MASTER, help="master address")
 
@@ -253,8 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="master port (default 7370)")
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port of the master (default 0: off)")
-    s.add_argument("--direct-port", type=int,
-                   help="the master's direct request port, plain TCP (default 0: any free port; -1: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -263,8 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 0: off)")
-    s.add_argument("--direct-port", type=int,
-                   help="direct request port, plain TCP (default 0: any free port; -1: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")

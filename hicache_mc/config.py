@@ -54,19 +54,17 @@ class MasterConfig:
     """The master: key index, membership and placement."""
     host: str = "127.0.0.1"            # bind address; 127.0.0.1 unless told otherwise
     port: int = 7370
-    # The same requests over plain TCP, for clients (see rpc.py): 0 = any free port (clients
-    # learn it from the master), -1 = off
-    direct_port: int = 0
     heartbeat_interval_s: float = 1.0  # nodes heartbeat this often
     liveness: int = 3                  # a node missing this many heartbeats is dropped
-    token: str = ""                    # shared secret every request must carry ("" = none; "@FILE" reads it)
+    # shared secret of the cluster ("" = none; "@FILE" reads it): the CURVE keys of every ZeroMQ
+    # port and the stream ports' handshake derive from it (hicache_mc/auth.py)
+    token: str = ""
     metrics_port: int = 0              # Prometheus /metrics (0 = off)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
 
     def __post_init__(self):
         _check_port(self.port, "port")
-        _check_direct_port(self.direct_port)
         _check_port(self.metrics_port, "metrics_port")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
@@ -83,7 +81,6 @@ class NodeConfig:
     host: str = "127.0.0.1"            # bind address of the data plane
     port: int = 0                      # 0 = any free port (reported to the master)
     data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
-    direct_port: int = 0               # requests over plain TCP (0 = any free port, -1 = off)
     node_id: str = ""                  # "" = derived from host and port
     dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
     high_watermark: float = 0.95       # above this fraction of DRAM, evict LRU objects ...
@@ -118,7 +115,6 @@ class NodeConfig:
     def __post_init__(self):
         _check_port(self.port, "port")
         _check_port(self.data_port, "data_port")
-        _check_direct_port(self.direct_port)
         _check_port(self.metrics_port, "metrics_port")
         _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):
@@ -152,15 +148,6 @@ class ClientConfig:
     circuit_open_s: float = 2.0        # ... for this long (calls answer misses at once)
     verify_checksums: bool = True      # a mismatch is a miss, counted and logged
     token: str = ""
-    # send requests through the master's and nodes' direct ports (plain TCP: one hop instead
-    # of ZeroMQ's three per message) where they have one; false = ZeroMQ only
-    direct: bool = True
-    # room to borrow from the node on this host (shm, tcp) and place puts of up to this many
-    # bytes in without reserving first (one round trip instead of two: worth it for small
-    # objects; a big put's copy dwarfs the round trip); a node lends at most 1/16 of its DRAM
-    # per arena and 1/4 in all.
-    # 0 = never
-    arena: int = size_field("16MiB")
     # Mooncake transport (used only when it is chosen; see docs/operations.md)
     te_protocol: str = ""              # "" = what the node publishes; tcp | rdma
     # NIC filter: "mlx5_0", "mlx5_0,mlx5_1", or a per-rank JSON map {"0": "mlx5_0", "1": "mlx5_1"}
@@ -175,8 +162,6 @@ class ClientConfig:
         if self.transport not in ("auto", "shm", "tcp", "mooncake"):
             raise ConfigError(f"transport: expected auto, shm, tcp or mooncake, got {self.transport!r}")
         _check_te_protocol(self.te_protocol)
-        if self.arena < 0:
-            raise ConfigError(f"arena: must be >= 0, got {self.arena}")
         if self.te_staging < 1 << 20:
             raise ConfigError(f"te_staging: at least 1MiB, got {self.te_staging}")
         _check_positive(self.timeout_s, "timeout_s")
@@ -199,11 +184,6 @@ def parse_quotas(text: str) -> dict[str, int]:
 def _check_port(value: int, name: str) -> None:
     if not 0 <= value <= 65535:
         raise ConfigError(f"{name}: expected 0..65535, got {value}")
-
-
-def _check_direct_port(value: int) -> None:
-    if value != -1:
-        _check_port(value, "direct_port")
 
 
 def _check_te_protocol(value: str) -> None:

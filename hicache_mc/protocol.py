@@ -226,10 +226,15 @@ class LeaseRequest(Message):
     keys: Keys
 
 
+# LeaseReply offset: stored on SSD only, and DRAM has no room to stage it while this batch's
+# other objects are leased: ask again once they are released
+LEASE_LATER = -3
+
+
 class LeaseReply(Message):
     # offsets into the node's segment, the reader's for `ttl` seconds counted from when it sent
     # the Lease (the node's monotonic clock is not the reader's: it may be on another host)
-    offsets: Ints            # -1 = missing
+    offsets: Ints            # -1 = missing; or LEASE_LATER
     sizes: Ints
     checksums: Checksums
     ttl: float

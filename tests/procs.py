@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import zmq
 
 from hicache_mc import protocol as P
+from hicache_mc.auth import secure_client
 
 
 def free_port() -> int:
@@ -22,16 +23,15 @@ def free_port() -> int:
 
 
 def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "") -> Optional[P.Message]:
-    """One raw request; None when nothing answers in time."""
+    """One raw request (CURVE with ``token``); None when nothing answers in time."""
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = secure_client(ctx.socket(zmq.DEALER), token)
     sock.connect(address)
     try:
-        sock.send_multipart(P.encode(msg, 1, token))
+        sock.send(P.encode(msg, 1))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return P.decode(sock.recv_multipart())[0]
+        return P.decode(sock.recv()).msg
     finally:
         sock.close()
 

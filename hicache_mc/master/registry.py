@@ -57,15 +57,6 @@ class NodeRegistry:
     def live_slots(self) -> set[int]:
         return {st.slot for st in self.nodes.values()}
 
-    def sole(self, host: str) -> str:
-        """The id of the cluster's only live node when it is on ``host``, else "": with more
-        nodes a Place spreads a host's objects over its nodes and finds keys another node
-        holds (no second copy)."""
-        if len(self.nodes) != 1:
-            return ""
-        (st,) = self.nodes.values()
-        return st.info.node_id if st.info.host == host else ""
-
     def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
         """A node per object: the writer's own host first, then the most free space.
 

@@ -12,9 +12,8 @@ import uuid
 
 from .. import protocol as P
 from ..config import MasterConfig
-from ..errors import ProtocolError
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import DirectConnection, Service
+from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .registry import NodeRegistry
 
@@ -25,16 +24,14 @@ FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its f
 MAX_PARKED = 10000      # lookups waiting on fences; beyond this they are answered at once
 
 
-def _from_node(ident) -> None:
-    """A node's messages over the direct port are read before other peers' in each loop turn:
-    a node reports a commit before it answers the writer, so the master then applies the
-    report before any lookup the writer's answer could have led to (from any client)."""
-    if isinstance(ident, DirectConnection):
-        ident.priority = True
-
-
 class MasterService(Service):
     """One per cluster. Serves clients (exists, locate, place, stats) and nodes."""
+
+    # A node reports a commit before it answers the writer: nodes' messages read in the same
+    # loop turn as lookups are applied first (in the order each node sent them), so a lookup
+    # that the writer's answer led to (from any client) finds the key when the report got
+    # here before it.
+    first = (P.RegisterRequest, P.HeartbeatRequest, P.CommittedRequest, P.EvictedRequest)
 
     def __init__(self, config: MasterConfig):
         super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master")
@@ -52,8 +49,6 @@ class MasterService(Service):
         # lookups whose fence is ahead of the master: (give up at, handler, msg, ident, req_id)
         self._parked: list[tuple] = []
         self.enable_metrics(config.metrics_host, config.metrics_port)
-        if config.direct_port >= 0:
-            self.enable_direct(config.host, config.direct_port)
 
     # -------------------------------------------------------------- timers
 
@@ -90,10 +85,6 @@ class MasterService(Service):
         """Hold a lookup whose fence is ahead (True); it is answered when the commits arrive."""
         if not msg.after:
             return False
-        for node_id, mark in msg.after.items():
-            if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], str)
-                    and isinstance(mark[1], int) and not isinstance(mark[1], bool)):
-                raise ProtocolError(f"after[{node_id!r}]: expected [segment id, seq], got {mark!r}")
         if not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
             return False
         self._parked.append((time.monotonic() + FENCE_WAIT_S, handler, msg, ident, req_id))
@@ -102,7 +93,7 @@ class MasterService(Service):
 
     def _answer(self, handler, msg, ident, req_id) -> None:
         try:
-            reply, _ = handler(msg, None, ident, req_id, fenced=True)
+            reply = handler(msg, ident, req_id, fenced=True)
         except Exception as exc:
             log.exception("master: a parked lookup failed")
             reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
@@ -118,7 +109,7 @@ class MasterService(Service):
 
     # -------------------------------------------------------------- clients
 
-    def on_ExistsRequest(self, msg: P.ExistsRequest, payload, ident, req_id, fenced=False):
+    def on_ExistsRequest(self, msg: P.ExistsRequest, ident, req_id, fenced=False):
         if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
             return None
         self.counters["exists_calls"] += 1
@@ -127,7 +118,7 @@ class MasterService(Service):
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
         self._count_namespaces(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
-        return P.ExistsReply(found, *where), None
+        return P.ExistsReply(found, *where)
 
     def _locate(self, keys: list[str], stop_at_miss: bool):
         """(how many keys were found, [held_by, holders, sizes, nodes] as in
@@ -155,14 +146,14 @@ class MasterService(Service):
         nodes = {n: self.registry.nodes[n].record for n in held_by}
         return found, [held_by, holders, sizes, nodes]
 
-    def on_ContainsRequest(self, msg: P.ContainsRequest, payload, ident, req_id, fenced=False):
+    def on_ContainsRequest(self, msg: P.ContainsRequest, ident, req_id, fenced=False):
         if not fenced and self._park(self.on_ContainsRequest, msg, ident, req_id):
             return None
         self.counters["exists_calls"] += 1
         live = self.registry.live_slots()
-        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys]), None
+        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys])
 
-    def on_LocateRequest(self, msg: P.LocateRequest, payload, ident, req_id, fenced=False):
+    def on_LocateRequest(self, msg: P.LocateRequest, ident, req_id, fenced=False):
         if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
             return None
         self.counters["locate_calls"] += 1
@@ -170,7 +161,7 @@ class MasterService(Service):
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
         self._count_namespaces(msg.keys, [h >= 0 for h in where[1]])
-        return P.LocateReply(*where), None
+        return P.LocateReply(*where)
 
     def _count_namespaces(self, keys: list[str], hits: list[bool]) -> None:
         """Hits and misses per key namespace (the part before the first '/')."""
@@ -195,14 +186,11 @@ class MasterService(Service):
         row[0] += hits
         row[1] += misses
 
-    def on_HelloRequest(self, msg, payload, ident, req_id):
-        return P.HelloReply(self.epoch, self.direct_address), None
-
-    def on_PlaceRequest(self, msg: P.PlaceRequest, payload, ident, req_id):
+    def on_PlaceRequest(self, msg: P.PlaceRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
-            return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes"), None
+            return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes")
         if any(size < 0 for size in msg.sizes):
-            return P.ErrorReply("bad_request", "Place: sizes must be >= 0"), None
+            return P.ErrorReply("bad_request", "Place: sizes must be >= 0")
         self.counters["place_calls"] += 1
         live = self.registry.live_slots()
         todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
@@ -213,9 +201,9 @@ class MasterService(Service):
         nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
         self.counters["placed"] += len(todo)
         self.counters["deduplicated"] += len(msg.keys) - len(todo)
-        return P.PlaceReply(targets, nodes, self.registry.sole(msg.host)), None
+        return P.PlaceReply(targets, nodes)
 
-    def on_StatsRequest(self, msg, payload, ident, req_id):
+    def on_StatsRequest(self, msg, ident, req_id):
         now = time.monotonic()
         nodes = []
         for st in self.registry.nodes.values():
@@ -228,12 +216,11 @@ class MasterService(Service):
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
                  **self.counters}
-        return P.StatsReply(stats), None
+        return P.StatsReply(stats)
 
     # -------------------------------------------------------------- nodes
 
-    def on_RegisterRequest(self, msg: P.RegisterRequest, payload, ident, req_id):
-        _from_node(ident)
+    def on_RegisterRequest(self, msg: P.RegisterRequest, ident, req_id):
         info = P.NodeInfo.from_dict(msg.node)
         slot = self.slots.slot(info.node_id)
         if info.node_id in self.registry.nodes:
@@ -243,12 +230,11 @@ class MasterService(Service):
         if self._parked:
             self._unpark()          # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
-        return P.RegisterReply(self.epoch), None
+        return P.RegisterReply(self.epoch)
 
-    def on_HeartbeatRequest(self, msg: P.HeartbeatRequest, payload, ident, req_id):
-        _from_node(ident)
+    def on_HeartbeatRequest(self, msg: P.HeartbeatRequest, ident, req_id):
         st = self.registry.touch(msg.node_id, msg.stats)
-        return P.HeartbeatReply(self.epoch, st is not None, self._quota_shares(st)), None
+        return P.HeartbeatReply(self.epoch, st is not None, self._quota_shares(st))
 
     def _quota_shares(self, st) -> dict:
         """Each node enforces its share of a tenant's quota, in proportion to its capacity."""
@@ -258,26 +244,25 @@ class MasterService(Service):
         total = sum(cap(s) for s in self.registry.nodes.values()) or 1
         return {t: q * cap(st) // total for t, q in self.quotas.items()}
 
-    def on_QuotaRequest(self, msg: P.QuotaRequest, payload, ident, req_id):
+    def on_QuotaRequest(self, msg: P.QuotaRequest, ident, req_id):
         from ..keys import check_tenant
         try:
             check_tenant(msg.tenant)
         except ValueError as exc:
-            return P.ErrorReply("bad_request", str(exc)), None
+            return P.ErrorReply("bad_request", str(exc))
         if msg.quota < 0:
             self.quotas.pop(msg.tenant, None)
         else:
             self.quotas[msg.tenant] = msg.quota
         log.info("quota of tenant %r: %s", msg.tenant, "none" if msg.quota < 0 else f"{msg.quota} bytes")
-        return P.OkReply(), None
+        return P.OkReply()
 
-    def on_CommittedRequest(self, msg: P.CommittedRequest, payload, ident, req_id):
-        _from_node(ident)
+    def on_CommittedRequest(self, msg: P.CommittedRequest, ident, req_id):
         st = self.registry.nodes.get(msg.node_id)
         if st is None:
-            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered"), None
+            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered")
         if not len(msg.keys) == len(msg.sizes) == len(msg.checksums):
-            return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length"), None
+            return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length")
         self.index.add_many(msg.keys, st.slot, msg.sizes, msg.checksums)
         st.last_seen = time.monotonic()
         self.counters["committed"] += len(msg.keys)
@@ -285,16 +270,15 @@ class MasterService(Service):
             st.seq = msg.seq
             if self._parked:
                 self._unpark()
-        return P.OkReply(), None
+        return P.OkReply()
 
-    def on_EvictedRequest(self, msg: P.EvictedRequest, payload, ident, req_id):
-        _from_node(ident)
+    def on_EvictedRequest(self, msg: P.EvictedRequest, ident, req_id):
         st = self.registry.nodes.get(msg.node_id)
         if st is None:
-            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered"), None
+            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered")
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
         self.counters["evicted"] += removed
-        return P.OkReply(), None
+        return P.OkReply()
 
     # -------------------------------------------------------------- metrics
 

@@ -19,13 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from ..protocol import SLOT_ALIGN
 from ..transport.shm import MAGIC
 from .allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
+SLOT_ALIGN = 256             # objects start on this boundary and take their size rounded up to it
 
 
 @dataclass

@@ -10,14 +10,10 @@ registers again with its whole inventory, so nothing it acknowledged stays unkno
 master. Evictions travel on the same connection after the commits they follow, so the master
 applies both in the node's order.
 
-Before it registers, the node asks the master (``Hello``, over its ZeroMQ DEALER) for its
-direct port, connects to it and registers there; everything it reports then goes through that
-plain TCP connection, which the master reads before its other peers in each loop turn. A report
-is therefore in the master's socket before the writer hears back, and is applied before any
-lookup the writer's answer could have led to, from any client on the same host (measured in
-``benchmarks/bench_visibility.py``). Until it has registered on a channel the node sends no
-reports: the inventory it registers with covers them. A direct connection that breaks sends it
-back to the start (``Hello``, register), over the DEALER when the master has no direct port.
+The node reports through its DEALER to the master's ROUTER, which applies reports read in the
+same loop turn as lookups before them: a report that reached the master before a lookup that
+the writer's answer led to (from any client) is applied first. Until it has registered with
+the current master the node sends no reports: the inventory it registers with covers them.
 """
 from __future__ import annotations
 
@@ -33,12 +29,13 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
-from ..rpc import CONNECT_TIMEOUT_S, DirectConnection, Service, dial, direct_via
+from ..auth import secure_client
+from ..rpc import Service
 from ..transport.shm import host_identity
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
 from .ssd import SsdTier
-from .store import ON_SSD, TieredStore
+from .store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +63,7 @@ def remove_stale_segments(shm_dir: str) -> None:
 
 class StorageNode(Service):
     def __init__(self, config: NodeConfig):
-        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node",
-                         max_frame=max(P.MAX_HEADER_BYTES, config.max_value))
+        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
         self.config = config
         self.node_id = config.node_id or f"{config.host}:{self.address.rsplit(':', 1)[1]}"
         remove_stale_segments(config.shm_dir)
@@ -95,27 +91,14 @@ class StorageNode(Service):
                 self.te.close()
             dram.close()
             raise
-        if config.direct_port >= 0:
-            try:
-                self.enable_direct(config.host, config.direct_port)
-            except OSError:
-                self.streams.close()
-                if self.te is not None:
-                    self.te.close()
-                dram.close()
-                raise
         self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
                                config.prefault, te_address=self.te.address if self.te else "",
                                te_base=self.te.base if self.te else 0,
                                te_protocol=config.te_protocol,
-                               data_address=self.streams.address,
-                               direct_address=self.direct_address)
-        self.master = self.ctx.socket(zmq.DEALER)
-        self.master.setsockopt(zmq.LINGER, 0)
+                               data_address=self.streams.address)
+        self.master = secure_client(self.ctx.socket(zmq.DEALER), config.token)
         self.master.connect(config.master)
         self.add_socket(self.master, self._on_master_reply)
-        self._master_direct: Optional[str] = None   # its direct port; None: not asked, "": none
-        self._mconn: Optional[DirectConnection] = None
         self._announced = False     # registered (with the inventory) on the current channel
         self._req = 0
         self._register_req = 0     # request id of the latest RegisterRequest
@@ -174,21 +157,13 @@ class StorageNode(Service):
         """Send to the master; ``waiter`` = (ident, req_id, reply, failure reply) answers a
         client once the master acknowledges."""
         self._req += 1
-        frames = P.encode(msg, self._req, self.config.token)
-        if self._mconn is not None:
-            self._mconn.send(frames)
-        else:
-            self.master.send_multipart(frames)
+        self.master.send(P.encode(msg, self._req), copy=False)
         if waiter is not None:
             self._pending[self._req] = (time.monotonic() + MASTER_TIMEOUT_S, *waiter)
 
     def _register(self, now: float) -> None:
-        """Announce this node and its whole inventory (the master may be new); first, unless
-        known, ask where the master's direct port is (``_on_hello`` comes back here)."""
+        """Announce this node and its whole inventory (the master may be new)."""
         self._next_register = now + self.config.heartbeat_interval_s
-        if self._mconn is None and self._master_direct is None:
-            self._to_master(P.HelloRequest())
-            return
         self._announced = True
         self._to_master(P.RegisterRequest(self.info.to_dict()))
         self._register_req = self._req
@@ -200,67 +175,22 @@ class StorageNode(Service):
         # the inventory covers every commit so far: fences up to the current seq hold now
         self._to_master(P.CommittedRequest(self.node_id, [], [], [], self._seq))
         self._next_heartbeat = 0.0      # the master has its stats at once
-        log.info("registering with the master at %s%s (%d objects)", self.config.master,
-                 f" through its direct port {self._master_direct}" if self._mconn else "", len(items))
+        log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
 
     def _reregister(self, now: float) -> None:
         self._announced, self.epoch = False, None   # (tick retries until a RegisterReply)
         self._register(now)
 
-    def _on_hello(self, msg: P.HelloReply) -> None:
-        if self._mconn is not None or self._master_direct is not None:
-            return                  # an answer to an earlier Hello
-        self._master_direct = ""
-        address = direct_via(self.config.master, msg.direct_address)
-        if address:
-            try:
-                sock = dial(address, CONNECT_TIMEOUT_S)
-            except (OSError, ValueError) as exc:
-                log.warning("master's direct port %s: %s; reporting through ZeroMQ", address, exc)
-            else:
-                self._master_direct = address
-                self._mconn = DirectConnection(sock, self, on_close=self._master_direct_closed)
-                self.add_socket(self._mconn.fd, self._on_master_direct)
-        self._reregister(time.monotonic())
-
-    def _on_master_direct(self) -> None:
-        """The direct connection to the master is readable (or writable again)."""
-        conn = self._mconn
-        if conn is not None:
-            if conn.out:
-                conn.flush()
-            for frames in conn.read():
-                self._on_master_frames(frames)
-
-    def _master_direct_closed(self, conn: DirectConnection) -> None:
-        """Back to the start: what was on the wire is lost; waiters fail, the node registers
-        again (asking for the direct port again: a restarted master has another)."""
-        self.remove_socket(conn.fd)
-        if self._mconn is not conn:
-            return
-        self._mconn, self._master_direct, self._announced = None, None, False
-        self.epoch, self._next_register = None, 0.0
-        if self.stopping.is_set():
-            return
-        log.warning("direct connection to the master closed; registering again")
-        for req_id in list(self._pending):
-            _, ident, client_req, _, failed = self._pending.pop(req_id)
-            self.reply(ident, client_req, failed)
-
     def _on_master_reply(self) -> None:
         """A reply on the DEALER."""
-        self._on_master_frames(self.master.recv_multipart(copy=False))
-
-    def _on_master_frames(self, frames: list) -> None:
+        frame = self.master.recv(copy=False)
         try:
-            msg, req_id, _, _ = P.decode(frames)
+            msg, req_id = P.decode(frame)
         except Exception as exc:
             log.warning("bad frame from the master: %s", exc)
             return
         self._last_master_reply = time.monotonic()
-        if isinstance(msg, P.HelloReply):
-            self._on_hello(msg)
-        elif isinstance(msg, P.RegisterReply):
+        if isinstance(msg, P.RegisterReply):
             self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
             self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
@@ -270,14 +200,13 @@ class StorageNode(Service):
             if self.epoch is not None and req_id > self._register_req and \
                     (not msg.known or msg.epoch != self.epoch):
                 log.info("master epoch %s (was %s): registering again", msg.epoch, self.epoch)
-                if msg.epoch != self.epoch and self._mconn is None:
-                    self._master_direct = None      # a new master may have a direct port
                 self._reregister(time.monotonic())
         elif isinstance(msg, P.ErrorReply):
             log.warning("master refused a request: %s %s", msg.code, msg.message)
-            if msg.code == "unknown_node" and req_id > self._register_req and \
-                    time.monotonic() >= self._next_register:
-                self._reregister(time.monotonic())
+            if msg.code == "unknown_node" and req_id > self._register_req:
+                # a report the master did not take: register again (with the whole
+                # inventory, which covers it) as soon as the last registration is old enough
+                self._announced, self.epoch = False, None
         waiter = self._pending.pop(req_id, None)
         if waiter is not None:
             _, ident, client_req, reply, failed = waiter
@@ -293,8 +222,6 @@ class StorageNode(Service):
                 self.master.disconnect(self.config.master)
                 self.master.connect(self.config.master)
                 self._last_master_reply = now
-                if self._mconn is not None:
-                    self._mconn.close()         # back to the start (see the docstring)
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
         if self.dram.dropped:
@@ -311,30 +238,13 @@ class StorageNode(Service):
 
     # -------------------------------------------------------------- data plane
 
-    def on_ReadRequest(self, msg: P.ReadRequest, payload, ident, req_id):
-        now = time.monotonic()
-        sizes, checksums, frames = [], [], []
-        for key in msg.keys:
-            found = self.store.read(key, now)   # DRAM views are leased: covers zmq's zero-copy send
-            if found is None:
-                sizes.append(-1)
-                checksums.append(0)
-                continue
-            sizes.append(found[0])
-            checksums.append(found[1])
-            frames.append(found[2])
-            self.counters["bytes_out"] += found[0]
-        self.counters["reads"] += len(msg.keys)
-        self.counters["read_hits"] += len(frames)
-        return P.ReadReply(sizes, checksums), frames
-
-    def on_LeaseRequest(self, msg: P.LeaseRequest, payload, ident, req_id):
+    def on_LeaseRequest(self, msg: P.LeaseRequest, ident, req_id):
         now = time.monotonic()
         offsets, sizes, checksums = [], [], []
         for key in msg.keys:
             obj = self.store.lease(key, now)
-            if obj is None or obj is ON_SSD:
-                offsets.append(-1 if obj is None else P.LEASE_STREAM)
+            if obj is None:
+                offsets.append(P.LEASE_LATER if self.store.on_ssd_only(key) else -1)
                 sizes.append(-1)
                 checksums.append(0)
             else:
@@ -344,88 +254,33 @@ class StorageNode(Service):
         self.counters["reads"] += len(msg.keys)
         self.counters["read_hits"] += sum(o >= 0 for o in offsets)
         # the reader must be done a little before the slot could be reused
-        return P.LeaseReply(offsets, sizes, checksums, self.config.lease_s * 0.8, self.segment_id), None
+        return P.LeaseReply(offsets, sizes, checksums, self.config.lease_s * 0.8, self.segment_id)
 
-    def on_ReleaseRequest(self, msg: P.ReleaseRequest, payload, ident, req_id):
+    def on_ReleaseRequest(self, msg: P.ReleaseRequest, ident, req_id):
         if len(msg.keys) != len(msg.offsets):
-            return P.ErrorReply("bad_request", "Release: keys and offsets differ in length"), None
+            return P.ErrorReply("bad_request", "Release: keys and offsets differ in length")
         for key, offset in zip(msg.keys, msg.offsets):
             self.store.unlease(key, offset)
-        return P.OkReply(), None
+        return P.OkReply()
 
-    def on_WriteRequest(self, msg: P.WriteRequest, payload, ident, req_id):
-        if not len(msg.keys) == len(msg.checksums) == len(payload):
-            return P.ErrorReply("bad_request", f"Write: {len(msg.keys)} keys, {len(msg.checksums)} "
-                                f"checksums, {len(payload)} payload frames"), None
-        now = time.monotonic()
-        self.store.next_request()
-        pw = PendingWrite(ident, req_id, P.WriteReply, list(msg.keys))
-        for i, (key, checksum, frame) in enumerate(zip(msg.keys, msg.checksums, payload)):
-            data = frame.buffer
-            if len(data) <= self.config.max_value and self.store.write(key, data, checksum, now):
-                pw.add(i, key, *self.store.meta(key))   # stored before too: the master may have lost it
-                self.counters["bytes_in"] += len(data)
-        return self._acknowledge(pw)
-
-    def on_ReserveRequest(self, msg: P.ReserveRequest, payload, ident, req_id):
+    def on_ReserveRequest(self, msg: P.ReserveRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
-            return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length"), None
+            return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length")
         now = time.monotonic()
         self.store.next_request()
         offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
-                                          msg.evict, self.config.max_value)
-        return P.ReserveReply(offsets, self.config.reserve_s * 0.8, self.segment_id), None
+                                          self.config.max_value)
+        return P.ReserveReply(offsets, self.config.reserve_s * 0.8, self.segment_id)
 
-    def on_ArenaRequest(self, msg: P.ArenaRequest, payload, ident, req_id):
-        if msg.size < 0:
-            return P.ErrorReply("bad_request", f"Arena: size must be >= 0, got {msg.size}"), None
-        now = time.monotonic()
-        if msg.give_back:
-            self.dram.close_arena(msg.give_back, now)
-        return P.ArenaReply(*self._lend(msg.size, now)), None
-
-    def _lend(self, size: int, now: float) -> list:
-        """ArenaReply's fields for an arena of up to ``size`` bytes (none lent: 0 asked, or no
-        room): at most 1/16 of the segment per arena, and dram.ARENA_SHARE in all (lent room
-        is not evictable)."""
-        got = self.dram.open_arena(min(size, self.dram.capacity // 16), now, self.config.reserve_s) \
-            if size else None
-        arena, offset, size = got or (0, -1, 0)
-        return [arena, offset, size, self.config.reserve_s * 0.8, self.segment_id]
-
-    def on_CommitRequest(self, msg: P.CommitRequest, payload, ident, req_id):
+    def on_CommitRequest(self, msg: P.CommitRequest, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
-            return P.ErrorReply("bad_request", "Commit: keys, checksums and offsets differ in length"), None
-        pw = PendingWrite(ident, req_id, P.CommitReply, list(msg.keys))
-        if msg.arena:
-            return self._commit_arena(msg, pw)
+            return P.ErrorReply("bad_request", "Commit: keys, checksums and offsets differ in length")
+        pw = PendingWrite(ident, req_id, list(msg.keys))
         committed = self.store.commit_many(msg.keys, msg.checksums, msg.offsets)
         for i, (key, obj) in enumerate(zip(msg.keys, committed)):
             if obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
         self.counters["bytes_in"] += sum(pw.sizes)
-        return self._acknowledge(pw)
-
-    def _commit_arena(self, msg: P.CommitRequest, pw: "PendingWrite"):
-        if len(msg.sizes) != len(msg.keys):
-            return P.ErrorReply("bad_request", "Commit: an arena commit needs one size per key"), None
-        if msg.lend < 0:
-            return P.ErrorReply("bad_request", f"Commit: lend must be >= 0, got {msg.lend}"), None
-        why = self.dram.arena_error(msg.arena, msg.offsets, msg.sizes)
-        if why is not None:
-            code = "unknown_arena" if msg.arena not in self.dram.arenas else "bad_request"
-            return P.ErrorReply(code, f"Commit into arena {msg.arena}: {why}"), None
-        self.store.next_request()
-        done = self.store.commit_arena(msg.arena, msg.keys, msg.checksums, msg.offsets, msg.sizes,
-                                       time.monotonic(), self.config.reserve_s, self.config.max_value)
-        for i, (key, obj) in enumerate(zip(msg.keys, done)):
-            if isinstance(obj, tuple):  # stored before (the master may have lost it)
-                pw.add(i, key, *obj)
-            elif obj is not None:
-                pw.add(i, key, obj.size, obj.checksum)
-                self.counters["bytes_in"] += obj.size
-        if msg.lend:        # the writer's next arena, from the room this commit left
-            pw.more["lent"] = self._lend(msg.lend, time.monotonic())
         return self._acknowledge(pw)
 
     def _acknowledge(self, pw: "PendingWrite"):
@@ -441,15 +296,15 @@ class StorageNode(Service):
             self._seq += 1
             if self._announced:     # else the inventory it registers with has them
                 self._to_master(P.CommittedRequest(self.node_id, pw.keys, pw.sizes, pw.sums, self._seq))
-        self.reply(pw.ident, pw.req_id, pw.reply_cls(pw.ok, self._seq if pw.keys else 0, **pw.more))
+        self.reply(pw.ident, pw.req_id, P.CommitReply(pw.ok, self._seq if pw.keys else 0))
         return None
 
-    def on_ClearRequest(self, msg: P.ClearRequest, payload, ident, req_id):
+    def on_ClearRequest(self, msg: P.ClearRequest, ident, req_id):
         gone = self.store.clear(msg.prefix, time.monotonic())
         if not gone:
-            return P.ClearReply(0), None
+            return P.ClearReply(0)
         if not self._announced:     # the inventory it registers with leaves them out
-            return P.ClearReply(len(gone)), None
+            return P.ClearReply(len(gone))
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
         self._to_master(P.EvictedRequest(self.node_id, gone), (ident, req_id, P.ClearReply(len(gone)), failed))
         return None
@@ -473,13 +328,15 @@ class StorageNode(Service):
                     "read_hits": "keys served", "writes": "objects committed",
                     "bytes_in": "object bytes written", "bytes_out": "object bytes sent over tcp",
                     "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
-                    "ssd_streamed": "objects read from SSD straight to a tcp reader",
                     "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
                     "ssd_corrupt": "damaged SSD records found (checksum failures)",
                     "ssd_write_errors": "failed SSD writes",
                     "stream_reads": "objects read through the stream port",
                     "stream_writes": "objects written through the stream port",
-                    "stream_refused": "stream-port requests refused (bad header, range or token)"}
+                    "stream_refused": "stream-port requests refused (bad header or range)",
+                    "stream_auth_failed": "stream-port peers refused at the handshake (wrong token)",
+                    "stream_auth_timeout": "stream-port peers that did not answer the handshake in time",
+                    "stream_shed": "stream-port peers dropped to make room (connection caps)"}
         for key, help_ in counters.items():
             if key in st:
                 fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
@@ -490,12 +347,10 @@ class StorageNode(Service):
                                             "type", self.latency)]
         return fams
 
-    def on_NodeStatsRequest(self, msg, payload, ident, req_id):
-        return P.StatsReply({"node_id": self.node_id, **self.stats()}), None
+    def on_NodeStatsRequest(self, msg, ident, req_id):
+        return P.StatsReply({"node_id": self.node_id, **self.stats()})
 
     def close(self) -> None:
-        if self._mconn is not None:
-            self._mconn.close()
         super().close()
         self.streams.close()    # before the segment is unmapped: its threads copy into it
         if self.te is not None:
@@ -509,14 +364,13 @@ class StorageNode(Service):
 class PendingWrite:
     """A client's write on its way to disk (``sync``) and to the master."""
 
-    def __init__(self, ident: bytes, req_id: int, reply_cls, request_keys: list[str]):
-        self.ident, self.req_id, self.reply_cls = ident, req_id, reply_cls
+    def __init__(self, ident: bytes, req_id: int, request_keys: list[str]):
+        self.ident, self.req_id = ident, req_id
         self.ok = [False] * len(request_keys)
         self.where: list[int] = []           # request position of each stored key
         self.keys: list[str] = []
         self.sizes: list[int] = []
         self.sums: list[int] = []
-        self.more: dict = {}                  # other fields of the reply
 
     def add(self, i: int, key: str, size: int, checksum: int) -> None:
         self.ok[i] = True

@@ -219,7 +219,7 @@ class SsdTier:
         self.seg_live: dict[int, int] = {}                      # live value bytes per segment
         self.compacting: set[int] = set()
         self._fds: dict[int, int] = {}
-        self.counters = {"demotions": 0, "promotions": 0, "streamed": 0, "compactions": 0, "evictions": 0,
+        self.counters = {"demotions": 0, "promotions": 0, "compactions": 0, "evictions": 0,
                          "corrupt": 0, "write_errors": 0}
         last = self._recover()
         self.writer = SsdWriter(directory, last + 1, segment_bytes, wake)

@@ -100,6 +100,10 @@ class TieredStore:
         self.ssd.counters["promotions"] += 1
         return self.dram.lease(key, now)
 
+    def on_ssd_only(self, key: str) -> bool:
+        """Whether the key is held on SSD and not in DRAM (a lease must stage it first)."""
+        return self.ssd is not None and key in self.ssd.index and key not in self.dram.objects
+
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
         rec = self.ssd.remove(key)

@@ -9,7 +9,7 @@ lives (get) or where it goes (put); a transport is called once per node per batc
 - ``write(node, keys, ptrs, sizes, deadline) -> list[bool]``: store and commit; True once the
   master has the key (a key already stored is True as well). The transport computes the
   checksums where it is cheapest: on the copy it makes (shm), as each chunk lands on the node
-  (tcp's stream port), or over the source (the TE, and tcp's frames path).
+  (tcp's stream port), or over the source (the TE).
 
 Bytes are copied and hashed by ``copy_many`` / ``hash_many``: chunk by chunk, so the hash
 reads what the copy just wrote from cache, and split across a small thread pool for batches
@@ -29,7 +29,6 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import xxhash
 
 from .. import protocol as P
@@ -132,11 +131,6 @@ def hash_many(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
     return run_split(lambda i: checksum_at(ptrs[i], sizes[i]), sizes)
 
 
-def address_of(buf) -> int:
-    """Address of a (possibly read-only) contiguous buffer such as a ZeroMQ frame's."""
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
-
-
 def _ignore_commit(node: NodeInfo, seq: int) -> None:
     pass
 
@@ -183,18 +177,13 @@ class LeasedTransport(Transport):
 
     A batch goes in rounds of at most ``ROUND_BYTES``, each under its own lease or reservation,
     so a round ends far inside it. A read that outlives its lease is a miss (the slots may have
-    been reused); a write that outlives its reservation is not committed. Objects the node
-    holds only on SSD and cannot stage into DRAM (``LEASE_STREAM``) are read through
-    ``stream``, the ZeroMQ frames path, where the node reads them from disk itself.
+    been reused); a write that outlives its reservation is not committed.
     """
 
-    def __init__(self, channel_for, checks: "ChecksumCounter", verify: bool = True,
-                 stream: Optional[Transport] = None):
+    def __init__(self, channel_for, checks: "ChecksumCounter", verify: bool = True):
         self.channel_for = channel_for      # node address -> this thread's channel
         self.checks = checks
         self.verify = verify
-        self.stream = stream
-        self.counters = {"streamed": 0}     # objects read through ``stream``
 
     @abstractmethod
     def fetch(self, node: NodeInfo, offsets: list[int], dsts: list[int], sizes: list[int],
@@ -208,36 +197,34 @@ class LeasedTransport(Transport):
         """Copy caller memory into reserved node ranges before ``until``; their checksums."""
 
     def read(self, node, keys, ptrs, sizes, deadline):
-        out, streamed = [False] * len(keys), []
-        for idx in groups(sizes, ROUND_BYTES):
-            streamed += self._read_round(node, idx, keys, ptrs, sizes, deadline, out)
-        if streamed and self.stream is not None:
-            self.counters["streamed"] += len(streamed)
-            got = self.stream.read(node, [keys[i] for i in streamed], [ptrs[i] for i in streamed],
-                                   [sizes[i] for i in streamed], deadline)
-            for i, ok in zip(streamed, got):
-                out[i] = ok
+        out = [False] * len(keys)
+        pending = list(range(len(keys)))
+        while pending:
+            later = []
+            for group in groups([sizes[i] for i in pending], ROUND_BYTES):
+                later += self._read_round(node, [pending[j] for j in group], keys, ptrs, sizes,
+                                          deadline, out)
+            if len(later) == len(pending):
+                break       # DRAM could stage none of them: misses
+            pending = later     # objects DRAM had no room for while the others were leased
         return out
 
     def _read_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> list[int]:
+        """Lease and read objects ``idx``; the ones the node could not stage into DRAM yet."""
         ch, sent = self.channel_for(node.address), time.monotonic()
-        reply = P.raise_if_error(ch.recv(self.lease(node, [keys[i] for i in idx]), deadline)[0])
+        reply = P.raise_if_error(ch.recv(ch.send(P.LeaseRequest([keys[i] for i in idx])), deadline))
         if not self.same_segment(node, reply, keys, idx):
-            return []       # misses
-        return self.read_leased(node, idx, keys, ptrs, sizes, reply, sent + reply.ttl, deadline, out)[1]
+            return []
+        return self.read_leased(node, idx, keys, ptrs, sizes, reply, sent + reply.ttl, deadline, out)
 
-    def lease(self, node, keys: list[str]) -> int:
-        """Send ``LeaseRequest`` without waiting; the request id to receive the reply with."""
-        return self.channel_for(node.address).send(P.LeaseRequest(keys))
-
-    def read_leased(self, node, idx, keys, ptrs, sizes, reply, until, deadline, out) -> tuple[list[int], list[int]]:
+    def read_leased(self, node, idx, keys, ptrs, sizes, reply, until, deadline, out) -> list[int]:
         """Read objects ``idx`` under the Lease ``reply`` (its entries in ``idx`` order; held
-        until ``until`` on this client's clock) into ``out``: (the indices it read, hit or not; those the node holds only on SSD, for
-        ``stream``). Leases on objects of another size than asked are given back unread."""
-        todo, sums, offs, streamed, spare, spare_offs = [], [], [], [], [], []
+        until ``until`` on this client's clock) into ``out``; the indices answered
+        ``LEASE_LATER``. Leases on objects of another size than asked are given back unread."""
+        todo, sums, offs, spare, spare_offs, later = [], [], [], [], [], []
         for i, off, have, expected in zip(idx, reply.offsets, reply.sizes, reply.checksums):
-            if off == P.LEASE_STREAM:
-                streamed.append(i)
+            if off == P.LEASE_LATER:
+                later.append(i)
             elif off >= 0 and have == sizes[i]:
                 todo.append(i)
                 offs.append(off)
@@ -253,10 +240,10 @@ class LeasedTransport(Transport):
         if todo and time.monotonic() > until:
             log.warning("%s read of %d objects outlived its lease; treated as misses",
                         self.name, len(todo))
-            return todo, streamed
+            return later
         for i, expected, actual in zip(todo, sums, got):
             out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
-        return todo, streamed
+        return later
 
     def write(self, node, keys, ptrs, sizes, deadline):
         out = [False] * len(keys)
@@ -265,9 +252,9 @@ class LeasedTransport(Transport):
         return out
 
     def _write_round(self, node, idx, keys, ptrs, sizes, deadline, out) -> None:
-        sent = time.monotonic()
-        rid = self.reserve(node, [keys[i] for i in idx], [sizes[i] for i in idx])
-        reply = P.raise_if_error(self.channel_for(node.address).recv(rid, deadline)[0])
+        ch, sent = self.channel_for(node.address), time.monotonic()
+        reply = P.raise_if_error(ch.recv(ch.send(P.ReserveRequest([keys[i] for i in idx],
+                                                                  [sizes[i] for i in idx])), deadline))
         if not self.same_segment(node, reply, keys, idx):
             return          # not stored
         self.fill(node, idx, keys, ptrs, sizes, reply.offsets, sent + reply.ttl, deadline, out)
@@ -286,10 +273,6 @@ class LeasedTransport(Transport):
         log.info("node %s restarted (segment %s, this client knew %s): %d keys wait for its new "
                  "record", node.node_id, reply.segment, P.segment_of(node), len(asked))
         return False
-
-    def reserve(self, node, keys: list[str], sizes: list[int], evict: bool = True) -> int:
-        """Send ``ReserveRequest`` without waiting; the request id to receive the reply with."""
-        return self.channel_for(node.address).send(P.ReserveRequest(keys, sizes, evict))
 
     def fill(self, node, idx, keys, ptrs, sizes, offsets, until: float, deadline: float, out) -> None:
         """Objects ``idx`` were reserved at ``offsets`` (valid until ``until``): move their
@@ -324,7 +307,7 @@ class LeasedTransport(Transport):
             return
         ch = self.channel_for(node.address)
         reply = P.raise_if_error(ch.recv(ch.send(P.CommitRequest([keys[i] for i in idx], sums, offsets)),
-                                         deadline)[0])
+                                         deadline))
         self.committed(node, reply.seq)
         for i, ok in zip(idx, reply.ok):
             out[i] = ok

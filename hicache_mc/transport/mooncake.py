@@ -8,8 +8,7 @@ needs ``libibverbs.so.1`` even for TCP). Two halves:
   the node process) and ``te_protocol`` in its ``NodeInfo``.
 - ``MooncakeTransport`` (client side), over one ``SharedEngine`` per process created on first
   use. get: ``Lease`` (offsets valid until a deadline, exactly as for shm), one batched TE read
-  from ``te_base + offset`` into the destinations, checksum on the destination; objects the
-  node holds only on SSD and cannot stage stream over tcp. put: ``Reserve``, one batched TE
+  from ``te_base + offset`` into the destinations, checksum on the destination. put: ``Reserve``, one batched TE
   write into the reserved slots, ``Commit``. The node never touches the bytes.
 
 Registered memory: a TE transfer needs its local memory registered (RDMA enforces it; TCP does
@@ -55,7 +54,7 @@ from typing import Callable, Optional
 from .. import protocol as P
 from ..errors import HicacheError
 from ..rpc import Channel
-from .base import ChecksumCounter, LeasedTransport, Transport, groups, hash_many, memmove
+from .base import ChecksumCounter, LeasedTransport, groups, hash_many, memmove
 
 log = logging.getLogger(__name__)
 
@@ -295,10 +294,10 @@ class MooncakeTransport(LeasedTransport):
     name = "mooncake"
 
     def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True, stream: Optional[Transport] = None, *, master: str = "",
+                 verify: bool = True, *, master: str = "",
                  protocol: str = "", device: str = "", metadata: str = "P2PHANDSHAKE",
                  hostname: str = "", staging_bytes: int = 64 << 20, timeout_s: float = 5.0):
-        super().__init__(channel_for, checks, verify, stream)
+        super().__init__(channel_for, checks, verify)
         self.master, self.protocol, self.device = master, protocol, device
         self.metadata, self.hostname = metadata, hostname
         self.staging_bytes, self.timeout_s = staging_bytes, timeout_s
@@ -309,9 +308,9 @@ class MooncakeTransport(LeasedTransport):
         self._staging: Optional[Staging] = None
         self._staging_lock = threading.Lock()
         self._lock = threading.Lock()
-        # objects moved straight to/from registered memory, through staging, with a one-off
-        # registration, or streamed over tcp (SSD-only objects DRAM could not stage)
-        self.counters = {"direct": 0, "staged": 0, "one_off": 0, "streamed": 0}
+        # objects moved straight to/from registered memory, through staging, or with a
+        # one-off registration
+        self.counters = {"direct": 0, "staged": 0, "one_off": 0}
 
     # -------------------------------------------------------------- engine and registration
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from .. import protocol as P
 from ..errors import StoreUnavailable
 from ..rpc import Channel
-from .base import ChecksumCounter, LeasedTransport, Transport, copy_many
+from .base import ChecksumCounter, LeasedTransport, copy_many
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class ShmTransport(LeasedTransport):
     name = "shm"
 
     def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True, stream: Optional[Transport] = None):
-        super().__init__(channel_for, checks, verify, stream)
+                 verify: bool = True):
+        super().__init__(channel_for, checks, verify)
         self._segments: dict[str, Optional[Segment]] = {}
         self._lock = threading.Lock()
         self._next_sweep = 0.0

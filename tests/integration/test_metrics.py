@@ -45,8 +45,7 @@ def test_metrics_endpoints_follow_the_traffic(tmp_path):
         assert m['hicache_mc_lookup_hits_total{namespace="tenantA-ns"}'] >= 1
         assert m['hicache_mc_lookup_misses_total{namespace="other-ns"}'] == 1
         assert m["hicache_mc_master_nodes"] == 1
-        # the first puts ask the master where to go; the later ones go into an arena of the node
-        assert 1 <= m['hicache_mc_master_request_seconds_count{type="PlaceRequest"}'] < 5
+        assert m['hicache_mc_master_request_seconds_count{type="PlaceRequest"}'] == 5
         assert m['hicache_mc_master_request_seconds_count{type="CommittedRequest"}'] >= 5
         node_id = next(k for k in m if k.startswith("hicache_mc_node_heartbeat_age_seconds"))
         assert m[node_id] < 5
@@ -74,8 +73,8 @@ def test_token_from_file_and_refusals_counted(tmp_path):
             assert c.put("t/a", b"1") and c.get("t/a") == b"1"
         with StoreClient(cl.master, token="wrong", timeout_s=1) as bad:
             assert bad.get("t/a") is None
-        wait_metric(mport, 'hicache_mc_master_rejected_total{code="bad_token"}', lambda v: v >= 1)
-        assert "missing or wrong token" in cl.master_proc.log()
+        wait_metric(mport, 'hicache_mc_master_rejected_total{code="handshake_failed"}', lambda v: v >= 1)
+        assert "failed the handshake" in cl.master_proc.log()
     finally:
         cl.stop()
 

@@ -38,7 +38,8 @@ def test_round_trip_sizes(store, transport):
 def eventually(fn, timeout_s: float = 2.0):
     """``fn()`` once it is truthy. A put is visible to its writer at once (fences), and to other
     clients once the master has the node's report: on one host, before the put returns (the
-    report goes through the master's direct port, read first); across hosts, a moment later."""
+    node reports before it answers, and the master applies reports first); across hosts, a
+    moment later."""
     end = time.monotonic() + timeout_s
     while True:
         got = fn()

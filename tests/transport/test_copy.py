@@ -45,13 +45,13 @@ def test_channel_keeps_several_requests_in_flight(store):
         first = ch.send(P.ExistsRequest(["a"]))
         second = ch.send(P.StatsRequest())
         # asked for in the other order: the first reply is kept until it is asked for
-        assert isinstance(ch.recv(second, deadline)[0], P.StatsReply)
-        assert isinstance(ch.recv(first, deadline)[0], P.ExistsReply)
+        assert isinstance(ch.recv(second, deadline), P.StatsReply)
+        assert isinstance(ch.recv(first, deadline), P.ExistsReply)
         third = ch.send(P.StatsRequest())
         ch.forget([third])
         with pytest.raises(StoreUnavailable):
             ch.recv(third, deadline)
-        assert isinstance(ch.call(P.ExistsRequest(["b"]), 5)[0], P.ExistsReply)   # its reply was dropped
+        assert isinstance(ch.call(P.ExistsRequest(["b"]), 5), P.ExistsReply)   # its reply was dropped
         assert not ch._early
     finally:
         ch.close()
@@ -67,7 +67,7 @@ def test_channel_ready_never_waits_and_keeps_the_reply(store):
         end = time.monotonic() + 5
         while not ch.ready(rid):
             assert time.monotonic() < end
-        assert isinstance(ch.recv(rid, 0)[0], P.StatsReply)       # here already: no wait
+        assert isinstance(ch.recv(rid, 0), P.StatsReply)       # here already: no wait
         # a timed-out recv that does not reset keeps the request awaited (unless the reply
         # was quick enough to be there already)
         late = ch.send(P.StatsRequest())
@@ -76,8 +76,8 @@ def test_channel_ready_never_waits_and_keeps_the_reply(store):
         except StoreUnavailable:
             assert late in ch._waiting
             got = ch.recv(late, time.monotonic() + 5)
-        assert isinstance(got[0], P.StatsReply)
-        assert isinstance(ch.recv(other, time.monotonic() + 5)[0], P.ExistsReply)
+        assert isinstance(got, P.StatsReply)
+        assert isinstance(ch.recv(other, time.monotonic() + 5), P.ExistsReply)
     finally:
         ch.close()
         ctx.term()

@@ -99,8 +99,8 @@ def test_hung_node_bounds_the_te_call_and_the_get(tmp_path):
 
 @needs_te
 def test_workload_larger_than_dram_reads_back_through_te(tmp_path):
-    # 48 MiB through 16 MiB of DRAM: SSD objects are staged back into DRAM under a lease, and
-    # those DRAM cannot stage in one batch stream over tcp (LEASE_STREAM)
+    # 48 MiB through 16 MiB of DRAM: SSD objects are staged back into DRAM under a lease; those
+    # DRAM has no room for until the client releases others come in later rounds (LEASE_LATER)
     cluster = te_cluster(tmp_path)
     cluster.env["HICACHE_MC_SSD_SEGMENT"] = "8MiB"
     try:
@@ -121,7 +121,7 @@ def test_workload_larger_than_dram_reads_back_through_te(tmp_path):
             got = c.batch_get_into(keys, [a.ctypes.data for a in dst], [MiB] * n)
             assert got == [True] * n
             assert all(np.array_equal(s, d) for s, d in zip(src, dst))
-            assert c.te.counters["streamed"] > 0 and c.te.counters["staged"] > n
+            assert c.te.counters["staged"] > n
     finally:
         cluster.stop()
 

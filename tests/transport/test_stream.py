@@ -200,28 +200,3 @@ def test_node_killed_mid_transfer_gives_misses_not_a_hang(store):
         assert not t.is_alive(), "a read hung after the node died"
         assert not errors
         assert results[-1] == [False] * n
-
-
-def test_a_node_without_stream_port_is_served_as_zeromq_frames(store):
-    """Older nodes publish no data_address: tcp falls back to Read/Write frames, pipelined in
-    groups (several requests in flight on one channel)."""
-    import dataclasses
-    import time as _time
-    with StoreClient(store.master, transport="tcp") as c:
-        assert c.put("frames/warm", b"w")              # learn the node's record
-        real = next(iter(c._nodes.values()))
-        old = dataclasses.replace(real, data_address="")
-        before = node_stats(real.address)
-        sizes = [3 << 20, 5 << 20, 1, 0, 2 << 20]   # more than one 4 MiB group
-        srcs = [data(40 + i, s) for i, s in enumerate(sizes)]
-        keys = [f"frames/{i}" for i in range(len(sizes))]
-        deadline = _time.monotonic() + 10
-        assert c.tcp.write(old, keys, [a.ctypes.data for a in srcs], sizes, deadline) == [True] * 5
-        dsts = [np.zeros(s, dtype=np.uint8) for s in sizes]
-        assert c.tcp.read(old, keys, [a.ctypes.data for a in dsts], sizes, deadline) == [True] * 5
-        assert all(np.array_equal(a, b) for a, b in zip(srcs, dsts))
-        after = node_stats(real.address)
-        assert after["stream_writes"] == before["stream_writes"]
-        assert after["stream_reads"] == before["stream_reads"]
-        assert after["bytes_out"] - before["bytes_out"] == sum(sizes)
-        assert c.batch_get_into(keys[:1], [dsts[0].ctypes.data], sizes[:1]) == [True]   # and via the stream port

@@ -21,7 +21,8 @@ import xxhash
 
 from hicache_mc.errors import ProtocolError, StoreUnavailable
 from hicache_mc.transport import stream
-from hicache_mc.transport.stream import StreamClient, StreamServer
+from hicache_mc.transport.stream import StreamServer
+from hicache_mc.transport.stream_client import StreamClient
 
 SIZE, LOW, SEG, TOKEN = 64 << 20, 4096, "s1", "secret"
 
