@@ -23,7 +23,7 @@ from ..config import ClientConfig, load_config
 from ..errors import HicacheError
 from ..rpc import Channel
 from ..transport.base import ChecksumCounter, Transport
-from ..transport.mooncake import MooncakeTransport
+from ..transport.te import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 from .batch import check_batch, check_keys

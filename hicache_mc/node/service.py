@@ -143,7 +143,7 @@ class StorageNode(Service):
             pass
         now = time.monotonic()
         self.store.poll_done(now)
-        finished, self.store.finished = self.store.finished, []
+        finished, self.store.writeback.finished = self.store.writeback.finished, []
         for pw, ok in finished:
             failed = [k for k, good in zip(pw.keys, ok) if not good]
             if failed:   # not on disk as the policy promised: neither acknowledged nor kept

@@ -1,18 +1,13 @@
 """TieredStore: one node's objects across its DRAM tier and its optional SSD tier.
 
-Policy, in one place:
+Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
+``writeback.py``):
 
-- Writes land in DRAM. With an SSD tier, ``durability`` decides when they reach disk:
-  ``sync`` writes each batch through and fsyncs before the put is acknowledged; ``async`` (the
-  default) writes through in the background and fsyncs every ``ssd_fsync_interval_s``;
-  ``demote`` writes only what is demoted.
-- DRAM above its high watermark: copies already on SSD are dropped at once; the rest are
-  demoted (written to SSD in one batch) and their slots freed once the batch is on disk.
-  If the disk fails, demotion falls back to dropping, and the failure is logged once.
+- Writes land in DRAM, reserved then committed; a second writer of a key being stored is told
+  "busy", and one of a key stored already "stored".
 - A read of an SSD-only object stages it back into DRAM; with no room there for it now, the
-  read is a miss.
-- SSD above its high watermark: LRU records are forgotten; segments under half live are
-  compacted in the background; the master hears of every key that left the node.
+  lease says so (the reader asks again once it has released others).
+- The master hears of every key that left the node (``drain_dropped``).
 - Tenants (the ``@tenant`` suffix of a key's namespace): bytes held per tenant are counted; a
   tenant with a quota (this node's share, sent by the master) that would go over it evicts its
   own least recently used objects first (SSD-only ones, then DRAM), never another tenant's, and
@@ -21,7 +16,6 @@ Policy, in one place:
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import defaultdict
 from typing import Optional
@@ -30,13 +24,10 @@ from ..keys import tenant_of
 from ..protocol import MAX_TENANTS, RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
 from .dram import DramTier, Obj
 from .ssd import Job, SsdTier
+from .writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
-DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loop's stall
-DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
-ERROR_LOG_INTERVAL_S = 60.0
-ROOM_WAIT_S = 1.0               # longest one request waits for the SSD writer to free DRAM
 
 
 class TieredStore:
@@ -46,14 +37,7 @@ class TieredStore:
         self.durability = durability if ssd else "none"
         self.fsync_interval_s = fsync_interval_s
         dram.drop_dirty = ssd is None
-        self._next_fsync = 0.0
-        self._disk_ok = True
-        self._disk_retry_at = 0.0
-        self._quiet_until = 0.0
-        self._demoting = False
-        self._turn = 0                 # bumped by the node per request (see _room_by_waiting)
-        self._wait_turn, self._wait_left = -1, 0.0
-        self.finished: list[tuple[object, list[bool]]] = []   # (waiter, per-key ok) of sync writes
+        self.writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
         self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
         self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
         self.quota_evictions = 0
@@ -133,7 +117,8 @@ class TieredStore:
             return RESERVE_FULL
         offset = self.dram.reserve(key, size, now, hold_s)
         if offset == -1:
-            offset = self._room_by_waiting(size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
+            offset = self.writeback.room_by_waiting(
+                size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
         return offset
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
@@ -244,23 +229,6 @@ class TieredStore:
             self.usage[tenant_of(key)] -= size
         return [k for k, _ in dropped]
 
-    def persist(self, keys: list[str], waiter: object = None) -> bool:
-        """Start writing newly committed DRAM objects through to SSD, as the policy says.
-
-        Returns True when ``waiter`` must wait for the disk (``sync``): it comes back through
-        ``finished`` with one ok flag per key."""
-        if self.durability not in ("sync", "async") or not keys:
-            return False
-        items = []
-        for key in keys:
-            obj = self.dram.objects.get(key)
-            if obj is not None and not obj.on_ssd:
-                obj.busy += 1
-                items.append((key, self.dram.view(obj), obj.checksum))
-        sync = self.durability == "sync"
-        self.ssd.writer.jobs.put(Job("append", items, fsync=sync, tag=("through", keys, waiter if sync else None)))
-        return sync
-
     # ------------------------------------------------------------ removal
 
     def remove(self, keys: list[str], now: float) -> list[str]:
@@ -282,173 +250,21 @@ class TieredStore:
             keys.update(k for k in self.ssd.index if k.startswith(prefix))
         return self.remove(sorted(keys), now)
 
-    # ------------------------------------------------------------ background work
+    # ------------------------------------------------------------ the SSD tier's side
+
+    def persist(self, keys: list[str], waiter: object = None) -> bool:
+        """Write newly committed objects through (see ``WriteBack.persist``)."""
+        return self.writeback.persist(keys, waiter)
 
     def maintain(self, now: float) -> None:
         self.dram.maintain(now)
-        if self.ssd is None:
-            return
-        self._demote(now)
-        for key, size in self.ssd.evict():
-            obj = self.dram.objects.get(key)
-            if obj is not None:
-                obj.on_ssd = False
-            else:
-                self.dram.dropped.append((key, size))
-        self._compact()
-        if self.durability == "async" and now >= self._next_fsync:
-            self._next_fsync = now + self.fsync_interval_s
-            self.ssd.writer.jobs.put(Job("fsync"))
-
-    def _demote(self, now: float, excess: Optional[int] = None) -> None:
-        dram = self.dram
-        if excess is None:
-            if dram.alloc.used <= dram.high:
-                return
-            excess = dram.alloc.used - dram._quarantined_bytes - dram.low
-        if excess <= 0 or self._demoting:
-            return
-        items, batch = [], 0
-        for key, obj in list(dram.objects.items()):
-            if excess <= 0 or batch >= DEMOTE_BATCH_BYTES:
-                break
-            if obj.busy:
-                continue
-            excess -= obj.size
-            if obj.on_ssd:
-                dram.drop(key, now)
-            elif self._disk_ok or now >= self._disk_retry_at:
-                obj.busy += 1
-                items.append((key, dram.view(obj), obj.checksum))
-                batch += obj.size
-            else:
-                dram.drop(key, now)    # the disk failed: fall back to dropping
-        if items:
-            self._demoting = True
-            self._disk_retry_at = now + DISK_RETRY_S
-            self.ssd.writer.jobs.put(Job("append", items, tag=("demote", None, None)))
-
-    def _compact(self) -> None:
-        if self.ssd.compacting:
-            return
-        for seg in self.ssd.reclaimable()[:1]:
-            live = self.ssd.live_records(seg)
-            self.ssd.compacting.add(seg)
-            if not live:
-                self.ssd.delete_segment(seg)
-                continue
-            items = [(k, self._reader(r), r.checksum) for k, r in live]
-            self.ssd.writer.jobs.put(Job("compact", items, tag=("compact", seg, dict(live))))
-
-    def _reader(self, rec):
-        ssd = self.ssd
-        return lambda: ssd.read(rec)     # runs on the writer thread: pread is thread-safe
+        self.writeback.maintain(now)
 
     def poll_done(self, now: float) -> None:
-        """Apply finished SSD jobs (called by the node loop when the writer wakes it)."""
-        if self.ssd is None:
-            return
-        while True:
-            try:
-                job = self.ssd.writer.done.get_nowait()
-            except queue.Empty:
-                return
-            self._apply(job, now)
+        self.writeback.poll_done(now)
 
     def next_request(self) -> None:
-        """The node starts serving another request: a fresh back-pressure budget."""
-        self._turn += 1
-
-    def _apply(self, job: Job, now: float) -> None:
-        self.ssd.note_sizes(job.seg_sizes)
-        self._disk_status(job)
-        kind = job.tag[0] if job.tag else job.kind
-        if kind in ("through", "demote"):
-            self._written(job, now, demote=kind == "demote")
-        elif kind == "compact":
-            self._compacted(job)
-
-    def _room_by_waiting(self, size: int, now: float, reserve) -> int:
-        """Back-pressure: DRAM is full of objects not yet on disk. Demote the oldest and wait
-        for the writer (bounded) rather than drop what was acknowledged or fail the put."""
-        if self.ssd is None or not self._disk_ok:
-            return -1
-        # one budget per node-loop turn: a batch of writes must not hold the loop (and the
-        # heartbeats) for long, or the master would take the node for dead
-        if self._wait_turn != self._turn:
-            self._wait_turn, self._wait_left = self._turn, ROOM_WAIT_S
-        start = time.monotonic()
-        end = start + self._wait_left
-        try:
-            return self._wait_for_room(now, end, size, reserve)
-        finally:
-            self._wait_left = max(0.0, self._wait_left - (time.monotonic() - start))
-
-    def _wait_for_room(self, now: float, end: float, size: int, reserve) -> int:
-        while True:
-            self._demote(now, excess=size)
-            left = end - time.monotonic()
-            if left <= 0:
-                return -1
-            try:
-                job = self.ssd.writer.done.get(timeout=left)
-            except queue.Empty:
-                return -1
-            now = time.monotonic()
-            self._apply(job, now)
-            offset = reserve()
-            if offset != -1 or not self._disk_ok:
-                return offset
-
-    def _disk_status(self, job: Job) -> None:
-        if job.error and self._disk_ok:
-            now = time.monotonic()
-            if now >= self._quiet_until:   # a flapping disk is logged once a minute, not per job
-                log.error("ssd tier unusable (%s): demotion drops objects, sync puts fail, reads "
-                          "go on", job.error)
-                self._quiet_until = now + ERROR_LOG_INTERVAL_S
-            self._disk_ok = False
-        elif not job.error and job.result and not self._disk_ok:
-            log.info("ssd tier writable again")
-            self._disk_ok = True
-        if job.error:
-            self.ssd.counters["write_errors"] += 1
-        self.dram.drop_dirty = not self._disk_ok   # with no disk to demote to, drop like a cache
-
-    def _written(self, job: Job, now: float, demote: bool) -> None:
-        written = dict(job.result)
-        for key, _, _ in job.items:
-            obj = self.dram.objects.get(key)
-            rec = written.get(key)
-            if rec is not None and obj is not None and not obj.removed:
-                self.ssd.add(key, rec)
-                obj.on_ssd = True
-                self.ssd.counters["demotions"] += demote
-            elif rec is not None:     # removed while being written: bury the new record too
-                self.ssd.writer.jobs.put(Job("tombstone", [key]))
-            if obj is not None:
-                self.dram.release(obj, now)
-                if demote and obj.on_ssd and key in self.dram.objects and not obj.busy:
-                    self.dram.drop(key, now)
-        if demote:
-            self._demoting = False
-        _, keys, waiter = job.tag
-        if waiter is not None:
-            ok = [written.get(k) is not None or self.ssd.get(k, touch=False) is not None for k in keys]
-            self.finished.append((waiter, ok))
-
-    def _compacted(self, job: Job) -> None:
-        _, seg, before = job.tag
-        for key, rec in job.result:
-            if rec is not None and self.ssd.index.get(key) is before.get(key):
-                self.ssd.add(key, rec)      # moved; a record replaced meanwhile stays
-        if not job.error:
-            for key, rec in self.ssd.live_records(seg):
-                self._lost_on_ssd(key)      # unreadable during compaction
-            self.ssd.delete_segment(seg)
-            self.ssd.counters["compactions"] += 1
-        else:
-            self.ssd.compacting.discard(seg)
+        self.writeback.next_request()
 
     # ------------------------------------------------------------ reporting
 
@@ -472,9 +288,8 @@ class TieredStore:
         return st
 
     def close(self) -> None:
+        self.writeback.close()
         if self.ssd is not None:
-            if self.durability != "demote":
-                self.ssd.writer.jobs.put(Job("fsync"))
             self.ssd.close()
         self.dram.close()
 

@@ -95,9 +95,9 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
         assert st.commit("k", checksum(data))
         assert st.reserve("k", 1000, 0.0, 5.0) == -4          # sync: in DRAM, not yet on disk
         st.persist(["k"], waiter="w")
-        while not st.finished:
+        while not st.writeback.finished:
             st.poll_done(1.0)
-        assert st.finished == [("w", [True])]
+        assert st.writeback.finished == [("w", [True])]
         assert st.reserve("k", 1000, 0.0, 5.0) == -2          # on disk: a duplicate is acknowledged
     finally:
         st.close()
