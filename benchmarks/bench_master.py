@@ -55,7 +55,7 @@ class FakeNode:
         with self.lock:
             self.sock.send(P.encode(msg, 1))
             assert self.sock.poll(30_000)
-            return P.decode(self.sock.recv()).msg
+            return P.decode(self.sock.recv(), request=False).msg
 
     def heartbeat_forever(self):
         while not self.stop.wait(0.5):

@@ -298,7 +298,12 @@ class Decoded(NamedTuple):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(tuple[int, int, Union[tuple(_REGISTRY.values())]])
+# Servers decode requests only (every field bounded); clients replies only (a StatsReply holds
+# free-form stats, from a server the client chose to ask).
+_REQUEST_TYPES = tuple(c for name, c in _REGISTRY.items() if name.endswith("Request"))
+_REPLY_TYPES = tuple(c for c in _REGISTRY.values() if c not in _REQUEST_TYPES)
+_REQUESTS = msgspec.msgpack.Decoder(tuple[int, int, Union[_REQUEST_TYPES]])
+_REPLIES = msgspec.msgpack.Decoder(tuple[int, int, Union[_REPLY_TYPES]])
 
 
 def encode(msg: Message, req_id: int = 0) -> bytes:
@@ -306,8 +311,9 @@ def encode(msg: Message, req_id: int = 0) -> bytes:
     return _ENCODER.encode((VERSION, req_id, msg))
 
 
-def decode(frame) -> Decoded:
-    """The message and request id of a frame (bytes, memoryview or zmq.Frame).
+def decode(frame, request: bool = True) -> Decoded:
+    """The message and request id of a frame (bytes, memoryview or zmq.Frame): a request
+    (a server's side), or with ``request=False`` a reply (a client's side).
 
     Raises ProtocolError with ``code`` bad_version, unknown_type or bad_request, and
     ``req_id`` set where the frame's request id could be read (else 0)."""
@@ -316,9 +322,11 @@ def decode(frame) -> Decoded:
         raise ProtocolError(f"frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}",
                             req_id=_peek(buf)[1])
     try:
-        version, req_id, msg = _DECODER.decode(buf)
+        version, req_id, msg = (_REQUESTS if request else _REPLIES).decode(buf)
     except msgspec.DecodeError as exc:
         raise _refusal(buf, exc) from None
+    except Exception as exc:    # e.g. RecursionError: never out of decode as anything else
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}", req_id=_peek(buf)[1]) from None
     if version != VERSION:
         raise _bad_version(version, req_id)
     return Decoded(msg, req_id)

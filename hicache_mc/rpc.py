@@ -335,7 +335,7 @@ class Channel:
         kept for its own ``recv``; a late reply to a forgotten request is dropped."""
         frame = self.sock.recv(copy=False)
         try:
-            msg, rid = P.decode(frame)
+            msg, rid = P.decode(frame, request=False)
         except ProtocolError as exc:
             log.warning("bad reply from %s: %s", self.address, exc)
             return None

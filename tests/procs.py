@@ -31,7 +31,7 @@ def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "
         sock.send(P.encode(msg, 1))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return P.decode(sock.recv()).msg
+        return P.decode(sock.recv(), request=False).msg
     finally:
         sock.close()
 

@@ -39,7 +39,7 @@ def frame(*body) -> bytes:
 
 def refused(data, code="bad_request", match=None, req_id=None) -> ProtocolError:
     with pytest.raises(ProtocolError, match=match) as e:
-        P.decode(data)
+        P.decode(data, request=b"Reply" not in bytes(data)[:64])
     assert e.value.code == code, e.value
     if req_id is not None:
         assert e.value.req_id == req_id
@@ -49,7 +49,7 @@ def refused(data, code="bad_request", match=None, req_id=None) -> ProtocolError:
 def test_every_message_round_trips():
     assert {type(m) for m in EVERY_MESSAGE} == set(P._REGISTRY.values())
     for i, m in enumerate(EVERY_MESSAGE):
-        out = P.decode(P.encode(m, i))
+        out = P.decode(P.encode(m, i), request=type(m).__name__.endswith("Request"))
         assert out == (m, i) and out.msg == m and out.req_id == i
         assert type(out.msg) is type(m)
 
@@ -62,6 +62,20 @@ def test_one_frame_of_plain_msgpack_without_token_or_pickle():
                 if isinstance(node, (ast.Import, ast.ImportFrom)) for n in node.names}
     assert not imported & {"pickle", "marshal", "dill", "cloudpickle"}
     assert P.decode(P.encode(P.ExistsRequest(["k"], {"n": ["s", 1]}))).msg.after == {"n": ("s", 1)}
+
+
+def test_servers_decode_requests_only_and_clients_replies_only():
+    # a reply's free-form stats never reach a server's decoder, however deep or long
+    bomb = frame(P.VERSION, 6, ["StatsReply", {"x": [[]] * 100_000, "y": [[[[[[[]]]]]]]}])
+    with pytest.raises(ProtocolError) as e:
+        P.decode(bomb, request=True)
+    assert e.value.code == "unknown_type" and e.value.req_id == 6
+    with pytest.raises(ProtocolError) as e:
+        P.decode(P.encode(P.StatsRequest(), 7), request=False)
+    assert e.value.code == "unknown_type" and e.value.req_id == 7
+    deep = b"\x93\x08\x01\x92\xaaStatsReply\x81\xa1x" + b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(ProtocolError):          # not a RecursionError
+        P.decode(deep, request=False)
 
 
 def test_decode_takes_bytes_memoryviews_and_zmq_frames():

@@ -185,7 +185,7 @@ class StorageNode(Service):
         """A reply on the DEALER."""
         frame = self.master.recv(copy=False)
         try:
-            msg, req_id = P.decode(frame)
+            msg, req_id = P.decode(frame, request=False)
         except Exception as exc:
             log.warning("bad frame from the master: %s", exc)
             return

@@ -33,7 +33,7 @@ def test_a_lookup_waits_for_the_commit_its_fence_names(store):
             assert not sock.poll(300)                   # held: the master has not seen seq + 1
             assert c.put("fence/b", b"second")          # the node's next commit is seq + 1
             assert sock.poll(5000)
-            reply = P.decode(sock.recv()).msg
+            reply = P.decode(sock.recv(), request=False).msg
         finally:
             sock.close()
         assert isinstance(reply, P.LocateReply) and reply.located() == [(node_id, 6)]

@@ -47,7 +47,7 @@ def raw(address: str, frames: list, timeout_s: float = 5.0):
         sock.send_multipart(frames, copy=False)
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return P.decode(sock.recv()).msg
+        return P.decode(sock.recv(), request=False).msg
     finally:
         sock.close()
 

@@ -75,7 +75,7 @@ class Target:
             self.sock = None
             assert self.proc.alive, f"{self.name} died on {frames!r:.300}"
             raise AssertionError(f"{self.name} did not answer {frames!r:.300}")
-        msg = P.decode(sock.recv()).msg                  # a bad reply raises here
+        msg = P.decode(sock.recv(), request=False).msg                  # a bad reply raises here
         code = msg.code if isinstance(msg, P.ErrorReply) else type(msg).__name__
         self.codes[code] = self.codes.get(code, 0) + 1
         if isinstance(msg, P.ErrorReply) and msg.code == "internal":
