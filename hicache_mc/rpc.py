@@ -9,11 +9,12 @@ before the lookups that arrived with them. Malformed messages, unknown types and
 versions get an ``ErrorReply``; the loop keeps going.
 
 ``Channel``: the volatile side (Lazy Pirate). A DEALER that tags each request with an id and
-waits for the matching reply under a deadline; on a timeout it closes and reconnects, so a
-restarted server is picked up and stale replies are dropped. It watches its socket's monitor:
-a refused connect, a failed handshake (wrong token) or a dropped connection fails the waiting
-call at once, so a dead peer costs one connect attempt, not the caller's deadline. Not
-thread-safe: one per thread.
+waits for the matching reply under a deadline; on a timeout or a lost connection it closes,
+and the next call connects anew, so a restarted server is picked up and stale replies are
+dropped. ZeroMQ's own reconnecting is off: a channel watches its socket's monitor, and a
+refused connect, a failed handshake (wrong token) or a dropped connection fails the call at
+once, so a dead peer costs one connect attempt, not the caller's deadline (and an idle
+channel to a dead peer queues no events). Not thread-safe: one per thread.
 """
 from __future__ import annotations
 
@@ -35,17 +36,17 @@ from .metrics import Histogram, MetricsServer, render
 log = logging.getLogger(__name__)
 
 # Messages a service reads in one loop turn before handling them (node reports first): enough
-# for every peer of a busy master to have one request in, few enough to keep a turn short.
+# for every peer of a busy master to have one request in, few enough to keep a turn short; and
+# at most DRAIN_BYTES of them held at once (a MAX_KEYS lookup is ~11 MiB).
 DRAIN = 256
+DRAIN_BYTES = 32 << 20
 
 # Monitor events that end a connection, or show that none can be made now.
-_DOWN = {zmq.EVENT_DISCONNECTED: "connection lost", zmq.EVENT_CONNECT_RETRIED: "connection refused",
+_DOWN = {zmq.EVENT_DISCONNECTED: "connection lost", zmq.EVENT_CLOSED: "connection refused or closed",
          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
          zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed (wrong token?)"}
 _WATCH = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_DOWN)
-_REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Service:
@@ -81,9 +82,6 @@ class Service:
         self._metrics_text = ""
         self._next_publish = 0.0
         self._quiet: dict[str, float] = {}
-        # peers that failed the handshake (no token, a wrong one, not ZMTP): counted and logged
-        self._monitor = self.sock.get_monitor_socket(_REFUSED)
-        self.add_socket(self._monitor, self._on_refused)
         if exposed_without_token(bind, token):
             log.warning("%s binds %s without a token: anyone who reaches it can read and write "
                         "the store (set token)", name, bind)
@@ -106,13 +104,6 @@ class Service:
 
     def tick(self, now: float) -> None:
         """Called every loop turn; timers live here."""
-
-    def _on_refused(self) -> None:
-        while self._monitor.poll(0):
-            parse_monitor_message(self._monitor.recv_multipart())
-            self.rejected["handshake_failed"] = self.rejected.get("handshake_failed", 0) + 1
-            self._warn("handshake_failed", "%s: refused a peer that failed the handshake (no token "
-                       "or a wrong one, or not ZeroMQ)", self.name)
 
     def serve_forever(self) -> None:
         poller = self._poller = zmq.Poller()
@@ -146,7 +137,6 @@ class Service:
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
-        self.sock.disable_monitor()
         self.sock.close(0)
         for sock, _ in self._extra:
             if isinstance(sock, zmq.Socket):
@@ -167,7 +157,7 @@ class Service:
 
     def _serve_waiting(self) -> None:
         """Read what is waiting, decode it, handle the ``first`` types, then the rest."""
-        batch = []
+        batch, held = [], 0
         for _ in range(DRAIN):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -176,6 +166,9 @@ class Service:
             got = self._decode(frames)
             if got is not None:
                 batch.append(got)
+            held += sum(len(f.buffer) for f in frames)
+            if held >= DRAIN_BYTES:
+                break
         if self.first and len(batch) > 1:
             batch.sort(key=lambda item: not isinstance(item[1].msg, self.first))
         for ident, decoded in batch:
@@ -247,7 +240,7 @@ _ids = itertools.count(1)
 
 
 class Channel:
-    """One DEALER connection to a service, with request ids, deadlines, reconnect-on-timeout
+    """One DEALER connection to a service, with request ids, deadlines, reconnect-on-failure
     and fail-fast on a dead peer (see the module docstring). Not thread-safe: one per thread."""
 
     def __init__(self, ctx: zmq.Context, address: str, token: str = ""):
@@ -257,99 +250,85 @@ class Channel:
         self.sock: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
         self._poller: Optional[zmq.Poller] = None
-        self._down = ""                     # why the peer cannot be reached now ("" = it may be)
         self._waiting: set[int] = set()     # requests sent and not yet answered
-        self._early: dict[int, P.Message] = {}  # their replies that came before they were asked for
 
     def _connect(self) -> zmq.Socket:
         if self.sock is None:
             sock = secure_client(self.ctx.socket(zmq.DEALER), self.token)
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)      # the channel reconnects itself
             self._monitor = sock.get_monitor_socket(_WATCH)
             sock.connect(self.address)
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
-            self.sock, self._down = sock, ""
+            self.sock = sock
         return self.sock
 
-    def _watch(self) -> None:
-        """Take the monitor's events; a dropped or refused connection resets the channel and
-        raises StoreUnavailable (ZeroMQ would reconnect, but the replies awaited are lost)."""
+    def _dropped(self) -> str:
+        """Why the connection is gone (it dropped, was refused, or failed its handshake), from
+        the monitor's events so far; "" while it may be up."""
+        down = ""
         while self._monitor is not None and self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._down = ""
-            elif event in _DOWN:
-                self._down = _DOWN[event]
-        if self._down:
-            why = self._down
+            down = down or _DOWN.get(event, "")
+        return down
+
+    def _watch(self) -> None:
+        """A connection that is gone resets the channel and raises StoreUnavailable: the
+        replies awaited on it will not come."""
+        down = self._dropped()
+        if down:
             self.reset()
-            raise StoreUnavailable(f"{self.address}: {why}")
+            raise StoreUnavailable(f"{self.address}: {down}")
 
     def send(self, msg: P.Message) -> int:
-        """Send without waiting; returns the request id to pass to ``recv``. Several requests
-        may be in flight; ``recv`` them in any order. Raises StoreUnavailable at once when the
-        connection is known to be down."""
+        """Send without waiting; returns the request id to pass to ``recv``. An idle channel
+        whose connection dropped (the server restarted) connects anew; one with requests in
+        flight raises StoreUnavailable."""
+        self._connect()
+        if self._waiting:
+            self._watch()
+        elif self._dropped():
+            self.reset()
         sock = self._connect()
-        self._watch()
         req_id = next(_ids)
         sock.send(P.encode(msg, req_id), copy=False)
         self._waiting.add(req_id)
         return req_id
 
-    def recv(self, req_id: int, deadline: float, reset: bool = True) -> P.Message:
-        """The reply to ``req_id``, or StoreUnavailable at ``deadline`` (monotonic seconds) or
-        as soon as the connection drops. A timeout resets the channel, unless ``reset`` is
-        False: then the request is still awaited and a later ``recv`` may get its reply."""
-        early = self._early.pop(req_id, None)
-        if early is not None:
-            self._waiting.discard(req_id)
-            return early
+    def recv(self, req_id: int, deadline: float) -> P.Message:
+        """The reply to ``req_id``, or StoreUnavailable (the channel reset) at ``deadline``
+        (monotonic seconds) or as soon as the connection drops."""
         if req_id not in self._waiting or self.sock is None:
             raise StoreUnavailable(f"request to {self.address} was dropped (the channel was reset)")
         while True:
             left = deadline - time.monotonic()
             events = dict(self._poller.poll(int(left * 1000) + 1 if left > 0 else 0))
-            if self._monitor in events:
-                self._watch()
-            if self.sock in events:
+            if self.sock in events:         # a reply that came before the connection dropped
                 got = self._take(req_id)
                 if got is not None:
                     self._waiting.discard(req_id)
                     return got
+            elif self._monitor in events:
+                self._watch()
             elif not events:
-                if reset:
-                    self.reset()
+                self.reset()
                 raise StoreUnavailable(f"no reply from {self.address} in time")
 
-    def ready(self, req_id: int) -> bool:
-        """Whether the reply to ``req_id`` is here, so ``recv`` would not wait (never waits)."""
-        while req_id not in self._early and self.sock is not None and self.sock.poll(0, zmq.POLLIN):
-            got = self._take(req_id)
-            if got is not None:
-                self._early[req_id] = got
-        return req_id in self._early
-
     def _take(self, req_id: int) -> Optional[P.Message]:
-        """Receive one reply: the message when it answers ``req_id``; another awaited one is
-        kept for its own ``recv``; a late reply to a forgotten request is dropped."""
+        """Receive one reply: the message when it answers ``req_id``; a reply to a request
+        not awaited (a Release, say) is dropped."""
         frame = self.sock.recv(copy=False)
         try:
             msg, rid = P.decode(frame, request=False)
         except ProtocolError as exc:
             log.warning("bad reply from %s: %s", self.address, exc)
             return None
-        if rid == req_id:
-            return msg
-        if rid in self._waiting:
-            self._early[rid] = msg
-        return None
+        return msg if rid == req_id else None
 
     def forget(self, req_ids) -> None:
         """Stop waiting for these requests (their replies are dropped when they come)."""
-        for rid in req_ids:
-            self._waiting.discard(rid)
-            self._early.pop(rid, None)
+        self._waiting.difference_update(req_ids)
 
     def call(self, msg: P.Message, timeout_s: float) -> P.Message:
         """Send and wait; ErrorReply becomes RemoteError."""
@@ -366,9 +345,7 @@ class Channel:
             self._monitor.close(0)
             self._monitor = None
         self._poller = None
-        self._down = ""
         self._waiting.clear()
-        self._early.clear()
 
     def close(self) -> None:
         self.reset()

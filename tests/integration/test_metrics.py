@@ -58,7 +58,7 @@ def test_metrics_endpoints_follow_the_traffic(tmp_path):
         cl.stop()
 
 
-def test_token_from_file_and_refusals_counted(tmp_path):
+def test_token_from_file_and_a_wrong_token_refused(tmp_path):
     secret = tmp_path / "token"
     secret.write_text("from-a-file\n")
     mport = free_port()
@@ -71,10 +71,11 @@ def test_token_from_file_and_refusals_counted(tmp_path):
         cl.wait_nodes(1)
         with StoreClient(cl.master, token="from-a-file") as c:
             assert c.put("t/a", b"1") and c.get("t/a") == b"1"
-        with StoreClient(cl.master, token="wrong", timeout_s=1) as bad:
+        with StoreClient(cl.master, token="wrong", timeout_s=5) as bad:
+            t0 = time.monotonic()
             assert bad.get("t/a") is None
-        wait_metric(mport, 'hicache_mc_master_rejected_total{code="handshake_failed"}', lambda v: v >= 1)
-        assert "failed the handshake" in cl.master_proc.log()
+            assert time.monotonic() - t0 < 3, "a wrong token should fail the handshake, not wait"
+        assert wait_metric(mport, "hicache_mc_master_keys", lambda v: v == 1)
     finally:
         cl.stop()
 
