@@ -263,6 +263,11 @@ class MasterService(Service):
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered")
         if not len(msg.keys) == len(msg.sizes) == len(msg.checksums):
             return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length")
+        if msg.keys and msg.seq and msg.seq != st.seq + 1:
+            # a report before this one was lost (a dropped connection): the node registers
+            # again with its inventory, which holds the lost report's keys
+            return P.ErrorReply("report_gap", f"node {msg.node_id!r}: report {msg.seq} after "
+                                f"{st.seq}; register again")
         self.index.add_many(msg.keys, st.slot, msg.sizes, msg.checksums)
         st.last_seen = time.monotonic()
         self.counters["committed"] += len(msg.keys)

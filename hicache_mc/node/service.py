@@ -97,6 +97,9 @@ class StorageNode(Service):
                                te_protocol=config.te_protocol,
                                data_address=self.streams.address)
         self.master = secure_client(self.ctx.socket(zmq.DEALER), config.token)
+        # nothing is queued for a master that is not connected: a send fails at once (and the
+        # node registers again later) instead of piling reports up or blocking the loop
+        self.master.setsockopt(zmq.IMMEDIATE, 1)
         self.master.connect(config.master)
         self.add_socket(self.master, self._on_master_reply)
         self._announced = False     # registered (with the inventory) on the current channel
@@ -110,7 +113,7 @@ class StorageNode(Service):
         self._next_register = 0.0
         self._last_master_reply = time.monotonic()
         self.enable_metrics(config.metrics_host, config.metrics_port)
-        self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0, "bytes_out": 0}
+        self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0}
 
     @staticmethod
     def _transfer_engine(config: NodeConfig, dram: DramTier):
@@ -155,9 +158,17 @@ class StorageNode(Service):
 
     def _to_master(self, msg: P.Message, waiter: Optional[tuple] = None) -> None:
         """Send to the master; ``waiter`` = (ident, req_id, reply, failure reply) answers a
-        client once the master acknowledges."""
+        client once the master acknowledges. A message that cannot go now (no master
+        connected, or one that does not read) is dropped, and the node registers again: its
+        inventory covers every report."""
         self._req += 1
-        self.master.send(P.encode(msg, self._req), copy=False)
+        try:
+            self.master.send(P.encode(msg, self._req), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._announced, self.epoch = False, None
+            if waiter is not None:
+                self.reply(waiter[0], waiter[1], waiter[3])
+            return
         if waiter is not None:
             self._pending[self._req] = (time.monotonic() + MASTER_TIMEOUT_S, *waiter)
 
@@ -175,7 +186,8 @@ class StorageNode(Service):
         # the inventory covers every commit so far: fences up to the current seq hold now
         self._to_master(P.CommittedRequest(self.node_id, [], [], [], self._seq))
         self._next_heartbeat = 0.0      # the master has its stats at once
-        log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
+        if self._announced:         # else a send failed: the master is not there (yet)
+            log.info("registering with the master at %s (%d objects)", self.config.master, len(items))
 
     def _reregister(self, now: float) -> None:
         self._announced, self.epoch = False, None   # (tick retries until a RegisterReply)
@@ -203,9 +215,10 @@ class StorageNode(Service):
                 self._reregister(time.monotonic())
         elif isinstance(msg, P.ErrorReply):
             log.warning("master refused a request: %s %s", msg.code, msg.message)
-            if msg.code == "unknown_node" and req_id > self._register_req:
-                # a report the master did not take: register again (with the whole
-                # inventory, which covers it) as soon as the last registration is old enough
+            if msg.code in ("unknown_node", "report_gap") and req_id > self._register_req:
+                # a report the master did not take, or one before it lost on the way: register
+                # again (with the whole inventory, which covers them) once the last
+                # registration is a heartbeat interval old
                 self._announced, self.epoch = False, None
         waiter = self._pending.pop(req_id, None)
         if waiter is not None:
@@ -218,10 +231,12 @@ class StorageNode(Service):
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             if now - self._last_master_reply > 3 * self.config.heartbeat_interval_s:
-                # Lazy Pirate: a silent master may have restarted; drop queued frames, reconnect
+                # Lazy Pirate: a silent master may have restarted; drop queued frames (the
+                # registration that follows covers them), reconnect
                 self.master.disconnect(self.config.master)
                 self.master.connect(self.config.master)
                 self._last_master_reply = now
+                self._announced, self.epoch = False, None
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
         if self.dram.dropped:
@@ -326,7 +341,7 @@ class StorageNode(Service):
                 fams.append(gauge(f"hicache_mc_node_{name}", help_, st[key], node=node))
         counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
                     "read_hits": "keys served", "writes": "objects committed",
-                    "bytes_in": "object bytes written", "bytes_out": "object bytes sent over tcp",
+                    "bytes_in": "object bytes written",
                     "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
                     "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
                     "ssd_corrupt": "damaged SSD records found (checksum failures)",

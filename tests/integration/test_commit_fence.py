@@ -103,3 +103,18 @@ def test_another_client_sees_a_put_once_it_returns(store):
         for i in range(200):
             assert a.put(f"seen/{i}", b"v" * 100)
             assert b.exists(f"seen/{i}"), i
+
+
+def test_a_report_after_a_lost_one_is_refused_so_the_node_registers_again(store):
+    """Reports of a node are numbered: one that does not follow the last applied (a report in
+    between was lost with a dropped connection) is refused, and the node, told so, registers
+    again with its inventory, which holds the lost report's keys."""
+    with StoreClient(store.master) as c:
+        assert c.put("gap/a", b"x")
+        node_id, (_, (segment, seq)) = next(iter(c._fences.items()))
+        lost = P.CommittedRequest(node_id, ["gap/lost"], [1], [0], seq + 2)    # seq + 1 never came
+        reply = request(store.master, lost)
+        assert isinstance(reply, P.ErrorReply) and reply.code == "report_gap", reply
+        assert not c.exists("gap/lost")
+        assert c.put("gap/b", b"y")     # the node's own next report (seq + 1) is applied
+        assert c.exists("gap/b") and c.get("gap/b") == b"y"
