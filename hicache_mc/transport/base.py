@@ -7,7 +7,8 @@ lives (get) or where it goes (put); a transport is called once per node per batc
 - ``read(node, keys, ptrs, sizes, deadline) -> list[bool]``: fill ``ptrs[i]`` with the object
   ``keys[i]``; True only when the stored size equals ``sizes[i]`` and the checksum matches.
 - ``write(node, keys, ptrs, sizes, deadline) -> list[bool]``: store and commit; True once the
-  master has the key (a key already stored is True as well). The transport computes the
+  node has committed the key and sent its report to the master (a key already stored is True
+  as well). The transport computes the
   checksums where it is cheapest: on the copy it makes (shm), as each chunk lands on the node
   (tcp's stream port), or over the source (the TE).
 
@@ -32,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import xxhash
 
 from .. import protocol as P
+from ..errors import HicacheError
 from ..protocol import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -201,9 +203,14 @@ class LeasedTransport(Transport):
         pending = list(range(len(keys)))
         while pending:
             later = []
-            for group in groups([sizes[i] for i in pending], ROUND_BYTES):
-                later += self._read_round(node, [pending[j] for j in group], keys, ptrs, sizes,
-                                          deadline, out)
+            try:
+                for group in groups([sizes[i] for i in pending], ROUND_BYTES):
+                    later += self._read_round(node, [pending[j] for j in group], keys, ptrs,
+                                              sizes, deadline, out)
+            except HicacheError:
+                if len(pending) == len(keys):
+                    raise
+                break       # a later round failed: what the earlier ones read stands
             if len(later) == len(pending):
                 break       # DRAM could stage none of them: misses
             pending = later     # objects DRAM had no room for while the others were leased
@@ -317,7 +324,10 @@ class LeasedTransport(Transport):
         read (the reply is not awaited)."""
         if keys:
             ch = self.channel_for(node.address)
-            ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])
+            try:
+                ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])
+            except HicacheError as exc:     # unreleased leases and slots lapse on the node
+                log.debug("release on %s failed: %s", node.node_id, exc)
 
 
 class ChecksumCounter:
