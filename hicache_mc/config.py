@@ -265,9 +265,12 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
     if name == "token" and isinstance(value, str) and value.startswith("@"):
         try:   # a token kept in a file stays out of process listings and shell history
             with open(value[1:]) as fh:
-                return fh.read().strip()
+                token = fh.read().strip()
         except OSError as exc:
             raise ConfigError(f"token: cannot read {value[1:]!r}: {exc.strerror}") from None
+        if not token:       # an empty file must not silently mean "no authentication"
+            raise ConfigError(f"token: {value[1:]!r} is empty")
+        return token
     try:
         if typ in ("bool", bool):
             if isinstance(value, bool):

@@ -74,3 +74,10 @@ def test_every_setting_is_documented():
     for cls in (MasterConfig, NodeConfig, ClientConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name} is missing from docs/configuration.md"
+
+
+def test_a_token_file_that_is_empty_is_refused(tmp_path):
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(ClientConfig, token=f"@{empty}")
