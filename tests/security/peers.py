@@ -18,7 +18,11 @@ def listening_ports(pid: int) -> list[int]:
 
 
 def rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
+    """The larger of a process's resident set and its peak (VmHWM): compared before and after
+    an attack, it shows growth that lasted and growth that came and went above earlier peaks."""
+    with open(f"/proc/{pid}/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return max(psutil.Process(pid).memory_info().rss, hwm)
 
 
 def threads(pid: int) -> int:
