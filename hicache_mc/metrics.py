@@ -1,6 +1,6 @@
 """Prometheus text exposition for the master and the nodes, without extra dependencies.
 
-A service builds its metric families on its own loop thread (``Service.publish_metrics``,
+A service builds its metric families on its own loop thread (``Service.metric_families``,
 once a second) and the HTTP thread serves the last snapshot, so scraping never touches the
 loop's live dictionaries. Opt-in: ``metrics_port`` (0 = off), bound to ``metrics_host``
 (127.0.0.1 by default). The port is open to whoever reaches it: the server holds every
