@@ -10,6 +10,7 @@ import pytest
 
 from hicache_mc import metrics
 from hicache_mc.metrics import MetricsServer
+from rawsock import closed_within
 
 TEXT = "# TYPE hello gauge\nhello 1\n"
 
@@ -27,20 +28,6 @@ def get(port: int, path: str) -> tuple[int, str, str]:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers["Content-Type"], ""
-
-
-def closed_within(s: socket.socket, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        s.settimeout(max(0.001, end - time.monotonic()))
-        try:
-            if not s.recv(1 << 16):
-                return True
-        except socket.timeout:
-            return False
-        except ConnectionResetError:
-            return True
-    return False
 
 
 def test_metrics_are_served(server):

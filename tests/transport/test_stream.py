@@ -16,6 +16,7 @@ from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
 from hicache_mc.transport.stream import HEADER_MAX, STREAM_VERSION
 from procs import Cluster, request
+from rawsock import recv_exact
 
 
 def node_record(cluster_or_store) -> dict:
@@ -61,16 +62,6 @@ def test_finished_readers_release_their_leases(store, transport):
         assert all(c.batch_get_into(keys, [dst.ctypes.data] * 8, [1 << 20] * 8))
         assert c.clear(f"rel-{transport}/") == 8
     assert node_stats(node["address"])["quarantined"] == 0
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = s.recv(n - len(out))
-        if not part:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += part
-    return out
 
 
 def read_reply(s: socket.socket) -> tuple[bytes, str]:

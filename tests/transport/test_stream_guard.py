@@ -23,6 +23,7 @@ from hicache_mc.errors import ProtocolError, StoreUnavailable
 from hicache_mc.transport import stream
 from hicache_mc.transport.stream import StreamServer
 from hicache_mc.transport.stream_client import StreamClient
+from rawsock import closed_within, recv_exact
 
 SIZE, LOW, SEG, TOKEN = 64 << 20, 4096, "s1", "secret"
 
@@ -41,16 +42,6 @@ def connect(srv: StreamServer) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=5)
 
 
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = s.recv(n - len(out))
-        if not part:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += part
-    return out
-
-
 def handshake(s: socket.socket, token: str = TOKEN, hello: bytes = b"") -> bytes:
     """Answer the node's hello (read here unless given) as the wire format says; the node's
     verdict byte."""
@@ -63,21 +54,6 @@ def handshake(s: socket.socket, token: str = TOKEN, hello: bytes = b"") -> bytes
 def refusal(s: socket.socket) -> str:
     n = struct.unpack("!I", recv_exact(s, 4))[0]
     return recv_exact(s, n).decode()
-
-
-def closed_within(s: socket.socket, seconds: float) -> bool:
-    """Whether the peer closes ``s`` within ``seconds`` (whatever it sends first is skipped)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        s.settimeout(max(0.001, end - time.monotonic()))
-        try:
-            if not s.recv(1 << 16):
-                return True
-        except socket.timeout:
-            return False
-        except ConnectionResetError:
-            return True
-    return False
 
 
 def round_trip(srv: StreamServer, client: StreamClient, n: int = 16, size: int = 1 << 20, seed: int = 0):
