@@ -171,7 +171,10 @@ class MetricsServer:
         for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self.listener.accept()
-            except OSError:     # none left (or out of descriptors: they wait in the backlog)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:     # out of descriptors: they wait in the backlog; no busy loop
+                time.sleep(0.01)
                 return
             if len(self._peers) >= CONNECTIONS_MAX:
                 self._drop(next(iter(self._peers.values())))
