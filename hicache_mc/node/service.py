@@ -203,7 +203,11 @@ class StorageNode(Service):
             return
         self._last_master_reply = time.monotonic()
         if isinstance(msg, P.RegisterReply):
-            self.epoch = msg.epoch
+            # only the answer to the latest registration, and only while it stands: a send
+            # that failed since (or a refused report) means registering again, and a late
+            # answer must not mark the node registered while its reports are held back
+            if req_id == self._register_req and self._announced:
+                self.epoch = msg.epoch
         elif isinstance(msg, P.HeartbeatReply):
             self.store.quotas = {t: int(q) for t, q in msg.quotas.items()}
             # (while registering, epoch is None and tick retries: no second registration here;
