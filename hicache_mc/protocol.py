@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple, Optional, Union
 
-import msgpack
 import msgspec
 from msgspec import Meta
 
 from .errors import ProtocolError, RemoteError
+from .frame_errors import peek, split
 from .limits import (  # noqa: F401  (the limits are part of the protocol)
     MAX_KEYS, MAX_KEY_BYTES, MAX_HEADER_BYTES, MAX_NAME, MAX_TEXT, MAX_NODES, MAX_FIELDS,
     MAX_TENANTS, Key, Name, Text, U64, Keys, Ints, Bools, Checksums, NodeIds, Fence,
@@ -274,7 +274,7 @@ class NodeInfo:
         try:
             info = msgspec.convert(d, cls)
         except msgspec.ValidationError as exc:
-            text, path = _split(exc)
+            text, path = split(exc)
             raise ProtocolError(f"node record: {path.lstrip('.') + ': ' if path else ''}{text}") \
                 from None
         if info.capacity < 0:
@@ -320,13 +320,13 @@ def decode(frame, request: bool = True) -> Decoded:
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     if len(buf) > MAX_HEADER_BYTES:
         raise ProtocolError(f"frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}",
-                            req_id=_peek(buf)[1])
+                            req_id=peek(buf)[1])
     try:
         version, req_id, msg = (_REQUESTS if request else _REPLIES).decode(buf)
     except msgspec.DecodeError as exc:
         raise _refusal(buf, exc) from None
     except Exception as exc:    # e.g. RecursionError: never out of decode as anything else
-        raise ProtocolError(f"undecodable frame: {type(exc).__name__}", req_id=_peek(buf)[1]) from None
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}", req_id=peek(buf)[1]) from None
     if version != VERSION:
         raise _bad_version(version, req_id)
     return Decoded(msg, req_id)
@@ -344,49 +344,17 @@ def _bad_version(version: int, req_id: int) -> ProtocolError:
                          f"{VERSION})", code="bad_version", req_id=req_id)
 
 
-def _peek(buf) -> tuple[Optional[int], int, str, int]:
-    """(version, req_id, type name, length of the message array) from a frame's first 256
-    bytes, as far as they can be read (else None, 0, "", 0): constant work, for attributing
-    an error to a request."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=256)   # bounds every length too
-    unpacker.feed(bytes(memoryview(buf)[:256]))
-    got: list = []
-    length = 0
-    try:
-        n = unpacker.read_array_header()
-        while len(got) < min(n, 2):
-            got.append(unpacker.unpack())
-        if n >= 3:
-            length = unpacker.read_array_header()
-            got.append(unpacker.unpack())
-    except (ValueError, TypeError, msgpack.UnpackException):
-        pass
-    got += [None, None, None][len(got):]
-    version, req_id, name = (v if type(v) is t else d
-                             for v, t, d in zip(got, (int, int, str), (None, 0, "")))
-    return version, req_id, name, length
-
-
-_ERROR = re.compile(r"(.*?)(?: - at (`key` in )?`\$(.*)`)?", re.S)
-_FIELD = re.compile(r"\[2\]\[(\d+)\](.*)")
-
-
-def _split(exc: msgspec.MsgspecError) -> tuple[str, str]:
-    """msgspec's error as (text, path): "Expected `str`, got `int` - at `$[2][1][0]`" gives
-    ("expected str, got int", "[2][1][0]"). The text is cut short (it may quote the input)."""
-    text, key, path = _ERROR.fullmatch(str(exc)).groups()
-    text = text.replace("`", "")[:200]
-    return text[:1].lower() + text[1:], (path or "") + (" (a key)" if key else "")
+_FIELD = re.compile(r"\[2\]\[(\d+)\](.*)")   # [2][i]: the message's i-th element
 
 
 def _refusal(buf, exc: msgspec.DecodeError) -> ProtocolError:
     """The ProtocolError for a frame msgspec refused, with its code and request id."""
-    version, req_id, name, length = _peek(buf)
+    version, req_id, name, length = peek(buf)
     if version is not None and version != VERSION:
         return _bad_version(version, req_id)
     if not isinstance(exc, msgspec.ValidationError):
         return ProtocolError(f"frame is not valid msgpack: {exc}", req_id=req_id)
-    text, path = _split(exc)
+    text, path = split(exc)
     if path == "[2][0]" and text.startswith("invalid value"):
         return ProtocolError(f"unknown message type {name[:64]!r}" if name else
                              f"unknown message type ({text})", code="unknown_type", req_id=req_id)
