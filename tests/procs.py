@@ -1,6 +1,7 @@
 """Real store processes on 127.0.0.1 for tests: master, nodes, or the embedded ``serve``."""
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -20,6 +21,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stopped(stat_path: str) -> bool:
+    """Whether the thread whose /proc .../stat this is has stopped (state T), or is gone."""
+    try:
+        with open(stat_path) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return True
 
 
 def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "") -> Optional[P.Message]:
@@ -60,6 +70,17 @@ class Proc:
             self.p.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
                 self.p.wait(10)
+
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, and return once every thread of the process has stopped: the signal is
+        delivered asynchronously, and a thread that has not stopped yet may still serve a
+        request sent right after ``kill``."""
+        self.kill(signal.SIGSTOP)
+        end = time.monotonic() + timeout_s
+        while not all(_stopped(t) for t in glob.glob(f"/proc/{self.p.pid}/task/*/stat")):
+            if time.monotonic() > end:
+                raise TimeoutError(f"pid {self.p.pid} did not stop in {timeout_s} s")
+            time.sleep(0.005)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)

@@ -188,7 +188,7 @@ def test_node_sigstop_beyond_liveness(scluster, profile, tmp_path):
 
     def inject(load, i):
         victim = c.nodes[i % 2]
-        victim.kill(signal.SIGSTOP)
+        victim.pause()
         stopped.append(victim)
         t0 = time.monotonic()
         sc.event(load, f"stopped node {victim.port}")

@@ -80,7 +80,7 @@ def test_hung_node_bounds_the_te_call_and_the_get(tmp_path):
             put_blobs(c, "hang", 4, MiB)
             info = next(iter(c._nodes.values()))
             buf = np.zeros(MiB, np.uint8)
-            node.kill(signal.SIGSTOP)
+            node.pause()
             try:
                 t0 = time.monotonic()
                 with pytest.raises(M.TransferEngineError) as err:   # the TE alone would wait >= 5 s
