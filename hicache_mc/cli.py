@@ -1,4 +1,4 @@
-"""``hicache-mc``: serve | master | node | stats | clear | demo."""
+"""``hicache-mc``: serve | master | node | stats | quota | clear | credential | demo."""
 from __future__ import annotations
 
 import argparse
@@ -19,14 +19,26 @@ SHUTDOWN_GRACE_S = 6    # after SIGTERM/SIGINT: stacks to stderr and exit if sti
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _token(args) -> Optional[str]:
+    """``--token-file`` as the config loader reads it ("@FILE"); None leaves the token to the
+    config file or HICACHE_MC_TOKEN. A secret is never an argument: argv is visible to every
+    user of the host."""
+    return f"@{args.token_file}" if args.token_file else None
+
+
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=args.token, metrics_port=args.metrics_port)
+                       port=args.port, token=_token(args), metrics_port=args.metrics_port)
+
+
+def _client_config(args) -> ClientConfig:
+    return load_config(ClientConfig, file=args.config, section="client", master=args.master,
+                       token=_token(args), timeout_s=args.timeout)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
-                       host=args.host, port=args.node_port, dram=args.dram, token=args.token,
+                       host=args.host, port=args.node_port, dram=args.dram, token=_token(args),
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
                        te_protocol=args.te_protocol, data_port=args.data_port)
@@ -150,7 +162,7 @@ def _admin(args, msg):
     from .errors import HicacheError
     from .rpc import Channel
     ctx = zmq.Context()
-    ch = Channel(ctx, args.master, args.token or "")
+    ch = Channel(ctx, args.master, _client_config(args).token)
     try:
         return ch.call(msg, args.timeout)
     except HicacheError as exc:
@@ -217,8 +229,22 @@ def cmd_quota(args) -> int:
 
 def cmd_clear(args) -> int:
     from .client import StoreClient
-    with StoreClient(args.master, timeout_s=args.timeout, token=args.token) as c:
+    with StoreClient(config=_client_config(args)) as c:
         print(f"removed {c.clear(args.prefix)} objects")
+    return 0
+
+
+def cmd_credential(args) -> int:
+    """Print a credential derived from the cluster token (for clients and administrators)."""
+    from .auth import issue
+    token = load_config(MasterConfig, file=args.config, section="master", token=_token(args)).token
+    if not token:
+        raise ConfigError("token: set one (--token-file, HICACHE_MC_TOKEN or the config file); "
+                          "credentials derive from it")
+    try:
+        print(issue(token, args.role, args.tenant).text())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return 0
 
 
@@ -238,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp, master=False):
         sp.add_argument("--config", help="TOML or JSON config file ([master] / [node] sections)")
-        sp.add_argument("--token", help="the cluster's shared secret, or @FILE to read it from a file")
+        sp.add_argument("--token-file", metavar="FILE",
+                        help="a file holding the cluster token or a credential (else HICACHE_MC_TOKEN "
+                             "or the config file's token)")
         if master:
             sp.add_argument("--master", default=DEFAULT_MASTER, help="master address")
 
@@ -285,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix", "--namespace", dest="prefix", default="")
     s.add_argument("--timeout", type=float, default=10.0)
     s.set_defaults(fn=cmd_clear)
+
+    s = sub.add_parser("credential", help="print a client's or an administrator's credential")
+    common(s)
+    s.add_argument("--role", choices=["client", "admin"], default="client")
+    s.add_argument("--tenant", default="", help="the client's tenant (default: the default tenant)")
+    s.set_defaults(fn=cmd_credential)
 
     s = sub.add_parser("demo", help="start an embedded store and push a KV-page stream through it")
     s.add_argument("--dram", help="DRAM tier of the embedded node (default 2GiB)")

@@ -58,12 +58,13 @@ class MasterConfig:
     liveness: int = 3                  # a node missing this many heartbeats is dropped
     # shared secret of the cluster ("" = none; "@FILE" reads it): the CURVE keys of every ZeroMQ
     # port and the stream ports' handshake derive from it (hicache_mc/auth.py)
-    token: str = ""
+    token: str = field(default="", repr=False)    # never in a log line or a traceback
     metrics_port: int = 0              # Prometheus /metrics (0 = off)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
 
     def __post_init__(self):
+        _check_server_token(self.token)
         _check_port(self.port, "port")
         _check_port(self.metrics_port, "metrics_port")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
@@ -95,7 +96,7 @@ class NodeConfig:
     # with benchmarks/bench_store.py's memcpy on this machine). Costs the DRAM up front.
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
-    token: str = ""
+    token: str = field(default="", repr=False)
     metrics_port: int = 0                      # Prometheus /metrics (0 = off)
     metrics_host: str = "127.0.0.1"
     # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
@@ -113,6 +114,7 @@ class NodeConfig:
     te_metadata: str = "P2PHANDSHAKE"          # TE metadata service; P2PHANDSHAKE needs none
 
     def __post_init__(self):
+        _check_server_token(self.token)
         _check_port(self.port, "port")
         _check_port(self.data_port, "data_port")
         _check_port(self.metrics_port, "metrics_port")
@@ -147,7 +149,7 @@ class ClientConfig:
     circuit_failures: int = 3          # consecutive failures that open the circuit ...
     circuit_open_s: float = 2.0        # ... for this long (calls answer misses at once)
     verify_checksums: bool = True      # a mismatch is a miss, counted and logged
-    token: str = ""
+    token: str = field(default="", repr=False)
     # Mooncake transport (used only when it is chosen; see docs/operations.md)
     te_protocol: str = ""              # "" = what the node publishes; tcp | rdma
     # NIC filter: "mlx5_0", "mlx5_0,mlx5_1", or a per-rank JSON map {"0": "mlx5_0", "1": "mlx5_1"}
@@ -159,6 +161,11 @@ class ClientConfig:
     te_staging: int = size_field("64MiB")
 
     def __post_init__(self):
+        from .auth import credential
+        try:
+            credential(self.token)
+        except ValueError as exc:
+            raise ConfigError(f"token: {exc}") from None
         if self.transport not in ("auto", "shm", "tcp", "mooncake"):
             raise ConfigError(f"transport: expected auto, shm, tcp or mooncake, got {self.transport!r}")
         _check_te_protocol(self.te_protocol)
@@ -168,6 +175,13 @@ class ClientConfig:
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+
+
+def _check_server_token(token: str) -> None:
+    from .auth import PREFIX
+    if token.startswith(PREFIX + ":"):
+        raise ConfigError("token: the master and the nodes hold the cluster token itself; a "
+                          "credential is for clients and administrators")
 
 
 def parse_quotas(text: str) -> dict[str, int]:

@@ -5,7 +5,8 @@ KV dtype, the host layout or the page size, so two deployments could read each o
 hicache-mc prefixes every key with a namespace: a short digest of everything that changes the
 bytes of a page. A store key is ``<namespace>/<page hash>/<part>``; parts are ``k`` and ``v`` for
 MHA and ``kv`` for MLA, in the order ``get_page_buffer_meta`` gives the pointers. A namespace
-with a tenant ends in ``@<tenant>``: the store reads it for per-tenant quotas and stats.
+with a tenant ends in ``@<tenant>``: the store counts quotas and stats by it, and refuses a
+client's key whose tenant is not the one its credential names (``foreign_key``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def tenant_of(key: str) -> str:
     ns = key.split("/", 1)[0]
     i = ns.rfind(TENANT_SEP)
     return ns[i + 1:] if i >= 0 else ""
+
+
+def foreign_key(keys: list[str], tenant: str) -> Optional[str]:
+    """The first of ``keys`` not in ``tenant`` (None: all are). The usual batch shares one
+    namespace, checked once: every key between the least and the greatest shares a prefix
+    both have."""
+    if not keys:
+        return None
+    ns, sep, _ = keys[0].partition("/")
+    if sep and tenant_of(ns) == tenant and min(keys).startswith(ns + "/") and \
+            max(keys).startswith(ns + "/"):
+        return None
+    return next((k for k in keys if tenant_of(k) != tenant), None)
 
 
 @dataclass(frozen=True)

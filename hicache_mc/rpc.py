@@ -3,7 +3,9 @@
 ``Service``: the stable side. One ROUTER bound to one address (secured by ``auth.Guard``), one
 thread, every receive under a poll timeout, a ``tick`` hook for timers, dispatch to
 ``on_<Verb>Request(msg, ident, req_id)`` methods, which return the reply (or None when they
-answer later with ``reply``). Each loop turn reads every message waiting (up to ``DRAIN``)
+answer later with ``reply``). Before a request is decoded its sender's principal is checked
+(``Guard.principal``); a request type its role may not send (``roles``) is refused, and the
+handler sees the principal as ``self.peer``. Each loop turn reads every message waiting (up to ``DRAIN``)
 and handles the types in ``first`` before the others: the master applies its nodes' reports
 before the lookups that arrived with them. Malformed messages, unknown types and wrong
 versions get an ``ErrorReply``; the loop keeps going.
@@ -29,8 +31,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
-from .auth import Guard, secure_client
+from .auth import Principal, Guard, credential, secure_client
 from .errors import ProtocolError, StoreUnavailable
+from .keys import foreign_key
 from .metrics import Histogram, MetricsServer, render
 
 log = logging.getLogger(__name__)
@@ -49,17 +52,23 @@ _DOWN = {zmq.EVENT_DISCONNECTED: "connection lost", zmq.EVENT_CLOSED: "connectio
 _WATCH = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_DOWN)
 
 
+CLIENTS = ("client", "admin")
+
+
 class Service:
     """A ROUTER service loop. Subclasses define ``on_<Verb>Request(msg, ident, req_id)``."""
 
     poll_ms = 50            # wakes the loop at least this often for tick() and the stop flag
     first: tuple = ()       # message types handled before the others read in the same turn
+    roles: dict[str, tuple[str, ...]] = {}  # request type -> roles that may send it (CLIENTS)
 
     def __init__(self, bind: str, token: str = "", name: str = "service",
                  max_frame: int = P.MAX_HEADER_BYTES):
         self.ctx = zmq.Context()
         self.guard = Guard(self.ctx, token)
         self.sock = self.guard.secure(self.ctx.socket(zmq.ROUTER), max_frame)
+        # a peer reconnecting under its routing id (a node after a dropped link) takes it over
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             if bind.endswith(":0"):
                 port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -82,6 +91,7 @@ class Service:
         self._metrics_text = ""
         self._next_publish = 0.0
         self._quiet: dict[str, float] = {}
+        self.peer = Principal("admin")      # who sent the request being handled
         if exposed_without_token(bind, token):
             log.warning("%s binds %s without a token: anyone who reaches it can read and write "
                         "the store (set token)", name, bind)
@@ -151,6 +161,13 @@ class Service:
             self._quiet[what] = now + 1.0
             log.warning(fmt, *args)
 
+    def check_tenant(self, keys: list[str]) -> None:
+        """Refuse (``forbidden``) a client's request naming keys outside its own tenant."""
+        if self.peer.role == "client":
+            bad = foreign_key(keys, self.peer.tenant)
+            if bad is not None:
+                raise ProtocolError(f"key {bad[:80]!r} is not in tenant {self.peer.tenant!r}", "forbidden")
+
     def reply(self, ident: bytes, req_id: int, msg: P.Message) -> None:
         """Answer the peer ``ident`` (its ZeroMQ routing id)."""
         self.sock.send_multipart([ident, P.encode(msg, req_id)], copy=False)
@@ -171,18 +188,22 @@ class Service:
                 break
         if self.first and len(batch) > 1:
             batch.sort(key=lambda item: not isinstance(item[1].msg, self.first))
-        for ident, decoded in batch:
+        for ident, decoded, peer in batch:
             try:
-                self._handle(ident, decoded)
+                self._handle(ident, decoded, peer)
             except Exception:   # one request's failure must not drop the others read with it
                 log.exception("%s: request failed", self.name)
 
-    def _decode(self, frames: list) -> Optional[tuple[bytes, P.Decoded]]:
+    def _decode(self, frames: list) -> Optional[tuple[bytes, P.Decoded, Principal]]:
         ident = frames[0].bytes
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"a request is one frame, got {len(frames) - 1}")
-            return ident, P.decode(frames[1])
+            peer = self.guard.principal(ident, frames[1])
+            if peer is None:
+                raise ProtocolError("the connection's claim does not match its credential",
+                                    "unauthenticated")
+            return ident, P.decode(frames[1]), peer
         except ProtocolError as exc:
             self._refuse(ident, getattr(exc, "req_id", 0), exc.code, str(exc))
             return None
@@ -192,7 +213,7 @@ class Service:
         self.rejected[code] = self.rejected.get(code, 0) + 1
         self.reply(ident, req_id, P.ErrorReply(code, text))
 
-    def _handle(self, ident: bytes, decoded: P.Decoded) -> None:
+    def _handle(self, ident: bytes, decoded: P.Decoded, peer: Principal) -> None:
         """One request: dispatch, time, reply."""
         msg, req_id = decoded.msg, decoded.req_id
         type_name = type(msg).__name__
@@ -200,6 +221,10 @@ class Service:
         if handler is None or not type_name.endswith("Request"):
             self._refuse(ident, req_id, "unknown_type", f"{self.name} does not serve {type_name}")
             return
+        if self.guard.token and peer.role not in self.roles.get(type_name, CLIENTS):
+            self._refuse(ident, req_id, "forbidden", f"a {peer.role} may not send {type_name}")
+            return
+        self.peer = peer
         t0 = time.perf_counter()
         try:
             out = handler(msg, ident, req_id)
@@ -246,7 +271,7 @@ class Channel:
     def __init__(self, ctx: zmq.Context, address: str, token: str = ""):
         self.ctx = ctx
         self.address = address
-        self.token = token
+        self.cred = credential(token)       # the cluster token, a credential, or ""
         self.sock: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
         self._poller: Optional[zmq.Poller] = None
@@ -254,7 +279,7 @@ class Channel:
 
     def _connect(self) -> zmq.Socket:
         if self.sock is None:
-            sock = secure_client(self.ctx.socket(zmq.DEALER), self.token)
+            sock = secure_client(self.ctx.socket(zmq.DEALER), self.cred)
             sock.setsockopt(zmq.RECONNECT_IVL, -1)      # the channel reconnects itself
             self._monitor = sock.get_monitor_socket(_WATCH)
             sock.connect(self.address)

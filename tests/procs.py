@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import zmq
 
 from hicache_mc import protocol as P
-from hicache_mc.auth import secure_client
+from hicache_mc.auth import credential, secure_client
 
 
 def free_port() -> int:
@@ -35,7 +35,7 @@ def _stopped(stat_path: str) -> bool:
 def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "") -> Optional[P.Message]:
     """One raw request (CURVE with ``token``); None when nothing answers in time."""
     ctx = zmq.Context.instance()
-    sock = secure_client(ctx.socket(zmq.DEALER), token)
+    sock = secure_client(ctx.socket(zmq.DEALER), credential(token))
     sock.connect(address)
     try:
         sock.send(P.encode(msg, 1))

@@ -20,7 +20,7 @@ import zmq
 
 from .. import protocol as P
 from ..config import ClientConfig, load_config
-from ..errors import HicacheError
+from ..errors import HicacheError, RemoteError
 from ..rpc import Channel
 from ..transport.base import ChecksumCounter, Transport
 from ..transport.te import MooncakeTransport
@@ -172,6 +172,16 @@ class StoreClient:
             return miss
         try:
             result = fn()
+        except RemoteError as exc:
+            if exc.code != "forbidden":
+                self.counters["errors"] += 1
+                self.circuit.fail(exc)
+                return miss
+            # the store is fine: this call named keys outside this client's tenant
+            self.counters["forbidden"] += 1
+            if self.counters["forbidden"] == 1:
+                log.warning("the store refused a call: %s", exc.message)
+            return miss
         except (HicacheError, zmq.ZMQError, OSError) as exc:
             self.counters["errors"] += 1
             self.circuit.fail(exc)

@@ -17,6 +17,7 @@ class NodeState:
     planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
     record: dict = field(default_factory=dict)   # info.to_dict(), built once: replies carry it
     seq: int = 0            # the node's last Committed sequence number applied (fences)
+    ident: bytes = b""      # the connection it registered on: its reports count only from there
 
     def __post_init__(self):
         self.record = self.info.to_dict()
@@ -35,13 +36,18 @@ class NodeRegistry:
         self.expiry_s = interval_s * liveness
         self.nodes: dict[str, NodeState] = {}
 
-    def upsert(self, info: NodeInfo, slot: int) -> NodeState:
-        st = NodeState(info, slot, time.monotonic())
+    def upsert(self, info: NodeInfo, slot: int, ident: bytes = b"") -> NodeState:
+        st = NodeState(info, slot, time.monotonic(), ident=ident)
         self.nodes[info.node_id] = st
         return st
 
-    def touch(self, node_id: str, stats: dict) -> Optional[NodeState]:
+    def reporter(self, node_id: str, ident: bytes) -> Optional[NodeState]:
+        """The node ``node_id`` when ``ident`` is the connection it registered on, else None."""
         st = self.nodes.get(node_id)
+        return st if st is not None and st.ident == ident else None
+
+    def touch(self, node_id: str, ident: bytes, stats: dict) -> Optional[NodeState]:
+        st = self.reporter(node_id, ident)
         if st is not None:
             st.last_seen = time.monotonic()
             st.stats = stats

@@ -32,6 +32,9 @@ class MasterService(Service):
     # that the writer's answer led to (from any client) finds the key when the report got
     # here before it.
     first = (P.RegisterRequest, P.HeartbeatRequest, P.CommittedRequest, P.EvictedRequest)
+    roles = {"RegisterRequest": ("node",), "HeartbeatRequest": ("node",),
+             "CommittedRequest": ("node",), "EvictedRequest": ("node",),
+             "QuotaRequest": ("admin",)}
 
     def __init__(self, config: MasterConfig):
         super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master")
@@ -110,6 +113,8 @@ class MasterService(Service):
     # -------------------------------------------------------------- clients
 
     def on_ExistsRequest(self, msg: P.ExistsRequest, ident, req_id, fenced=False):
+        if not fenced:
+            self.check_tenant(msg.keys)
         if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
             return None
         self.counters["exists_calls"] += 1
@@ -147,6 +152,8 @@ class MasterService(Service):
         return found, [held_by, holders, sizes, nodes]
 
     def on_ContainsRequest(self, msg: P.ContainsRequest, ident, req_id, fenced=False):
+        if not fenced:
+            self.check_tenant(msg.keys)
         if not fenced and self._park(self.on_ContainsRequest, msg, ident, req_id):
             return None
         self.counters["exists_calls"] += 1
@@ -154,6 +161,8 @@ class MasterService(Service):
         return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys])
 
     def on_LocateRequest(self, msg: P.LocateRequest, ident, req_id, fenced=False):
+        if not fenced:
+            self.check_tenant(msg.keys)
         if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
             return None
         self.counters["locate_calls"] += 1
@@ -191,6 +200,7 @@ class MasterService(Service):
             return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes")
         if any(size < 0 for size in msg.sizes):
             return P.ErrorReply("bad_request", "Place: sizes must be >= 0")
+        self.check_tenant(msg.keys)
         self.counters["place_calls"] += 1
         live = self.registry.live_slots()
         todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
@@ -212,6 +222,9 @@ class MasterService(Service):
         for st in self.registry.nodes.values():
             for t, used in st.stats.get("tenants", {}).items():
                 tenants.setdefault(t, {"used": 0, "quota": None})["used"] += int(used)
+        if self.peer.role != "admin":   # a client sees the nodes and its own tenant's figures
+            tenants = {t: v for t, v in tenants.items() if t == self.peer.tenant}
+            nodes = [{k: v for k, v in n.items() if k != "tenants"} for n in nodes]
         stats = {"epoch": self.epoch, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
@@ -226,14 +239,14 @@ class MasterService(Service):
         if info.node_id in self.registry.nodes:
             # a restarted node: whatever it held before is gone unless its inventory says so
             self.index.drop_slot(slot)
-        self.registry.upsert(info, slot)
+        self.registry.upsert(info, slot, ident)
         if self._parked:
             self._unpark()          # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
         return P.RegisterReply(self.epoch)
 
     def on_HeartbeatRequest(self, msg: P.HeartbeatRequest, ident, req_id):
-        st = self.registry.touch(msg.node_id, msg.stats)
+        st = self.registry.touch(msg.node_id, ident, msg.stats)
         return P.HeartbeatReply(self.epoch, st is not None, self._quota_shares(st))
 
     def _quota_shares(self, st) -> dict:
@@ -258,9 +271,9 @@ class MasterService(Service):
         return P.OkReply()
 
     def on_CommittedRequest(self, msg: P.CommittedRequest, ident, req_id):
-        st = self.registry.nodes.get(msg.node_id)
+        st = self.registry.reporter(msg.node_id, ident)
         if st is None:
-            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered")
+            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered here")
         if not len(msg.keys) == len(msg.sizes) == len(msg.checksums):
             return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length")
         if msg.keys and msg.seq and msg.seq != st.seq + 1:
@@ -278,9 +291,9 @@ class MasterService(Service):
         return P.OkReply()
 
     def on_EvictedRequest(self, msg: P.EvictedRequest, ident, req_id):
-        st = self.registry.nodes.get(msg.node_id)
+        st = self.registry.reporter(msg.node_id, ident)
         if st is None:
-            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered")
+            return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered here")
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
         self.counters["evicted"] += removed
         return P.OkReply()

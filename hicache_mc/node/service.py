@@ -29,9 +29,10 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..metrics import counter, gauge, histogram_family
-from ..auth import secure_client
+from ..auth import issue, secure_client
 from ..rpc import Service
 from ..transport.shm import host_identity
+from ..transport.grants import Grants
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
 from .ssd import SsdTier
@@ -63,6 +64,8 @@ def remove_stale_segments(shm_dir: str) -> None:
 
 
 class StorageNode(Service):
+    roles = {"NodeStatsRequest": ("admin",)}
+
     def __init__(self, config: NodeConfig):
         super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
         self.config = config
@@ -84,9 +87,10 @@ class StorageNode(Service):
         self.segment_id = seg_id
         self.dram = dram
         self.te = self._transfer_engine(config, dram)
+        self.grants = Grants()      # what each peer may move through the stream port
         try:
-            self.streams = StreamServer(dram.mm, config.host, config.data_port, config.token, HEADER_BYTES,
-                                        seg_id)
+            self.streams = StreamServer(dram.mm, config.host, config.data_port, HEADER_BYTES, seg_id,
+                                        self.guard.stream_key, self.grants)
         except OSError:
             if self.te is not None:
                 self.te.close()
@@ -97,7 +101,8 @@ class StorageNode(Service):
                                te_base=self.te.base if self.te else 0,
                                te_protocol=config.te_protocol,
                                data_address=self.streams.address)
-        self.master = secure_client(self.ctx.socket(zmq.DEALER), config.token)
+        self.master = secure_client(self.ctx.socket(zmq.DEALER),
+                                    issue(config.token, "node") if config.token else None)
         # nothing is queued for a master that is not connected: a send fails at once (and the
         # node registers again later) instead of piling reports up or blocking the loop
         self.master.setsockopt(zmq.IMMEDIATE, 1)
@@ -244,6 +249,7 @@ class StorageNode(Service):
                 self._announced, self.epoch = False, None
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
+        self.grants.purge(now)
         if self.dram.dropped:
             dropped = self.store.drain_dropped()
             if self._announced:     # else the inventory it registers with leaves them out
@@ -259,7 +265,9 @@ class StorageNode(Service):
     # -------------------------------------------------------------- data plane
 
     def on_LeaseRequest(self, msg: P.LeaseRequest, ident, req_id):
+        self.check_tenant(msg.keys)
         now = time.monotonic()
+        until = now + self.config.lease_s
         offsets, sizes, checksums = [], [], []
         for key in msg.keys:
             obj = self.store.lease(key, now)
@@ -268,6 +276,7 @@ class StorageNode(Service):
                 sizes.append(-1)
                 checksums.append(0)
             else:
+                self.grants.grant(self.peer, obj.offset, obj.size, False, until)
                 offsets.append(obj.offset)
                 sizes.append(obj.size)
                 checksums.append(obj.checksum)
@@ -280,23 +289,31 @@ class StorageNode(Service):
         if len(msg.keys) != len(msg.offsets):
             return P.ErrorReply("bad_request", "Release: keys and offsets differ in length")
         for key, offset in zip(msg.keys, msg.offsets):
-            self.store.unlease(key, offset)
+            if self.grants.revoke(self.peer, offset):   # only what was leased (reserved) to it
+                self.store.unlease(key, offset)
         return P.OkReply()
 
     def on_ReserveRequest(self, msg: P.ReserveRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
             return P.ErrorReply("bad_request", "Reserve: keys and sizes differ in length")
+        self.check_tenant(msg.keys)
         now = time.monotonic()
         self.store.next_request()
         offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
                                           self.config.max_value)
+        until = now + self.config.reserve_s
+        for off, size in zip(offsets, msg.sizes):
+            if off >= 0:
+                self.grants.grant(self.peer, off, size, True, until)
         return P.ReserveReply(offsets, self.config.reserve_s * 0.8, self.segment_id)
 
     def on_CommitRequest(self, msg: P.CommitRequest, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
             return P.ErrorReply("bad_request", "Commit: keys, checksums and offsets differ in length")
+        # only slots reserved for this peer: another's offset matches no reservation (-1)
+        offsets = [off if self.grants.revoke(self.peer, off) else -1 for off in msg.offsets]
         pw = PendingWrite(ident, req_id, list(msg.keys))
-        committed = self.store.commit_many(msg.keys, msg.checksums, msg.offsets)
+        committed = self.store.commit_many(msg.keys, msg.checksums, offsets)
         for i, (key, obj) in enumerate(zip(msg.keys, committed)):
             if obj is not None:
                 pw.add(i, key, obj.size, obj.checksum)
@@ -320,7 +337,8 @@ class StorageNode(Service):
         return None
 
     def on_ClearRequest(self, msg: P.ClearRequest, ident, req_id):
-        gone = self.store.clear(msg.prefix, time.monotonic())
+        tenant = self.peer.tenant if self.peer.role == "client" else None
+        gone = self.store.clear(msg.prefix, time.monotonic(), tenant)
         if not gone:
             return P.ClearReply(0)
         if not self._announced:     # the inventory it registers with leaves them out

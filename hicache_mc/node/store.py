@@ -244,10 +244,13 @@ class TieredStore:
             gone.update(on_disk)
         return [k for k in keys if k in gone]
 
-    def clear(self, prefix: str, now: float) -> list[str]:
+    def clear(self, prefix: str, now: float, tenant: Optional[str] = None) -> list[str]:
+        """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None)."""
         keys = set(k for k in self.dram.objects if k.startswith(prefix))
         if self.ssd is not None:
             keys.update(k for k in self.ssd.index if k.startswith(prefix))
+        if tenant is not None:
+            keys = {k for k in keys if tenant_of(k) == tenant}
         return self.remove(sorted(keys), now)
 
     # ------------------------------------------------------------ the SSD tier's side

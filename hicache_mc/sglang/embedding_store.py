@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
+from ..auth import tenant_for
 from ..client import StoreClient
 from ..config import ClientConfig, load_config
 from ..embeddings import EmbeddingCache, dtype_name
@@ -83,11 +84,14 @@ class HiCacheMCEmbeddingStore(EmbeddingStore):
         if not self.model:
             raise ConfigError("model_name: the hicache_mc embedding store needs the model's name "
                               "(set HICACHE_MC_MODEL_NAME, or start it from SGLang)")
+        self.client = StoreClient(config=load_config(ClientConfig, section="client", **client_opts))
         try:   # a bad tenant name fails here, not at the first pool
+            self.settings = dataclasses.replace(
+                self.settings, tenant=tenant_for(self.client.config.token, self.settings.tenant))
             embedding_namespace(self.model, "", None, self.settings.tenant)
         except ValueError as exc:
+            self.client.close()
             raise ConfigError(f"tenant: {exc}") from exc
-        self.client = StoreClient(config=load_config(ClientConfig, section="client", **client_opts))
         self.pools: list[Pool] = []
         self._caches: dict[torch.dtype, EmbeddingCache] = {}
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..auth import tenant_for
 from ..config import ClientConfig, load_config
 from ..errors import ConfigError
 from ..keys import KVNamespace
@@ -33,7 +34,8 @@ HICACHE_KEYS = frozenset({
 @dataclass(frozen=True)
 class AdapterSettings:
     """What the SGLang backend adds to a StoreClient's settings."""
-    tenant: str = ""           # isolates deployments that share a store and a model
+    tenant: str = ""           # isolates deployments that share a store and a model (a client
+                               # credential's tenant when the token is one)
     model_name: str = ""       # overrides --served-model-name in the key namespace
     kv_cache_dtype: str = ""   # the --kv-cache-dtype; tells fp8 variants apart (host pools hold them as uint8)
 
@@ -55,7 +57,8 @@ def load_settings(extra: Optional[Mapping[str, Any]],
                          **{k: v for k, v in extra.items() if k in client_fields})
     adapter = load_config(AdapterSettings, env=env,
                           **{k: v for k, v in extra.items() if k in adapter_fields})
-    try:   # the key module owns the tenant rules (the store reads the tenant from keys)
+    try:   # the key module owns the tenant rules; a client credential names the tenant
+        adapter = dataclasses.replace(adapter, tenant=tenant_for(client.token, adapter.tenant))
         KVNamespace(model="", kv_dtype="", layout="", page_size=1, tenant=adapter.tenant).digest()
     except ValueError as exc:
         raise ConfigError(f"tenant: {exc}") from None

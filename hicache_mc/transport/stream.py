@@ -8,10 +8,11 @@ kernel and the segment on the node and between the kernel and caller memory on t
 no message framing, no extra copy on either side. The node's ZeroMQ loop never touches them.
 
 Wire format (``!`` = network byte order). A connection opens with a handshake; the node
-decodes nothing a peer sends before the peer has proved it holds the token:
+decodes nothing a peer sends before the peer has proved its credential (auth.py):
 
     hello     node: one byte STREAM_VERSION, then a fresh random 32-byte nonce
-    answer    client: 32 bytes, HMAC-SHA256(key = the token in UTF-8, b"" when none is set,
+    answer    client: one byte n <= CLAIM_MAX, its claim "role:tenant" (n bytes of ASCII), and
+              32 bytes HMAC-SHA256(key = the credential's seed, b"" without a token,
               msg = b"hicache-mc stream" + nonce)
     verdict   node: one status byte, 0 = welcome; 1 = refused (a wrong answer, or the node
               serves MAX_CONNECTIONS already), then !I length and a UTF-8 reason, and close
@@ -26,8 +27,9 @@ then requests, one at a time:
               !I length and a msgpack list of the xxh3-64 of each range as stored
               1 = refused, then !I length and a UTF-8 reason; the node closes the connection
 
-A range must lie inside the segment's data area; what it may touch is decided by the lease
-or reservation the client obtained, exactly as for ``shm`` and the TE. ``segment`` is the id
+A range must lie inside the segment's data area and be granted to the connection's principal:
+a read the ``[offset, +size)`` of an object the node leased to it, a write one of a slot it
+reserved for it, until released, committed or expired (``grants.py``). ``segment`` is the id
 of the segment the client's offsets are in: a node that restarted at the same address (and
 port) refuses offsets into its predecessor's segment instead of writing them over its own.
 
@@ -52,20 +54,24 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import suppress
-from typing import Optional
+from typing import Callable, Optional
 
 import msgpack
 import xxhash
 
+from ..auth import Principal
 from ..errors import ProtocolError
+from .grants import Grants
 from ..protocol import MAX_KEYS
 from .base import CHUNK, buffer_at
 
 log = logging.getLogger(__name__)
 
-STREAM_VERSION = 3   # 2: requests name their segment; 3: a handshake replaces the header's token
+STREAM_VERSION = 4   # 3: a handshake replaces the header's token; 4: the answer claims a principal
 AUTH_CONTEXT = b"hicache-mc stream"   # what the answer is the HMAC of, with the nonce
-NONCE_BYTES = ANSWER_BYTES = 32       # a nonce never repeats; an answer is one SHA-256 digest
+NONCE_BYTES = MAC_BYTES = 32          # a nonce never repeats; an answer ends in one SHA-256 digest
+CLAIM_MAX = 80                        # "client:" and a tenant of at most 64 characters
+ANSWER_MAX = 1 + CLAIM_MAX + MAC_BYTES
 # Limits (module-level: tests patch them smaller). Peers not yet authenticated:
 PENDING_MAX = 64       # an honest client answers within a round trip (~0.1 ms on loopback): a
                        # flood must open this many connections in that time to shed it
@@ -87,8 +93,8 @@ OK, REFUSED = b"\0", b"\1"
 
 # ------------------------------------------------------------------ shared helpers
 
-def _answer(key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+def _answer(claim: bytes, key: bytes, nonce: bytes) -> bytes:
+    return bytes((len(claim),)) + claim + hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
 
 
 def _refusal(reason: str) -> bytes:
@@ -166,7 +172,12 @@ class _Pending:
 
     def __init__(self, sock: socket.socket, deadline: float):
         self.sock, self.nonce, self.deadline = sock, os.urandom(NONCE_BYTES), deadline
-        self.buf, self.got = bytearray(ANSWER_BYTES), 0
+        self.buf, self.got = bytearray(ANSWER_MAX), 0
+
+    @property
+    def need(self) -> int:
+        """Bytes of the answer: its first says how long the claim is."""
+        return 1 + self.buf[0] + MAC_BYTES if self.got else 1
 
 
 class StreamServer:
@@ -174,10 +185,13 @@ class StreamServer:
     thread per authenticated connection, serving ranges of ``mm`` from ``low`` (the end of the
     segment header) to its end."""
 
-    def __init__(self, mm: mmap.mmap, host: str, port: int, token: str, low: int, segment: str):
+    def __init__(self, mm: mmap.mmap, host: str, port: int, low: int, segment: str,
+                 key_for: Callable[[bytes], Optional[tuple[Principal, bytes]]], grants: Grants):
+        """``key_for(claim)``: the principal a claim names and the key its answer is made with
+        (``auth.Guard.stream_key``); ``grants``: the ranges each principal may move."""
         self._anchor = ctypes.c_char.from_buffer(mm)
         self.base, self.size, self.low = ctypes.addressof(self._anchor), len(mm), low
-        self.token, self.segment, self._key = token, segment, token.encode()
+        self.segment, self._key_for, self.grants = segment, key_for, grants
         # a deep backlog: the handshake thread drains it fast, shedding the oldest
         self.listener = socket.create_server((host, port), backlog=1024)
         self.listener.setblocking(False)
@@ -199,7 +213,7 @@ class StreamServer:
 
     def _handshakes(self) -> None:
         """The one thread for every peer not yet authenticated: accept, send the hello, collect
-        answers into their 32-byte buffers, shed and expire."""
+        answers into their ANSWER_MAX-byte buffers, shed and expire."""
         try:
             while not self._stopping:
                 for key, _ in self._sel.select(self._expire()):
@@ -261,30 +275,34 @@ class StreamServer:
             self._sel.register(conn, selectors.EVENT_READ, p)
 
     def _on_answer(self, p: _Pending) -> None:
-        try:
-            k = p.sock.recv_into(memoryview(p.buf)[p.got:])   # never past the 32 bytes
+        try:    # never past the answer's length (at most ANSWER_MAX)
+            k = p.sock.recv_into(memoryview(p.buf)[p.got:p.need])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             k = 0
-        if k == 0:
+        if k == 0 or p.buf[0] > CLAIM_MAX:
             self._forget(p)
             return
         p.got += k
-        if p.got < ANSWER_BYTES:
+        if p.got < p.need:
             return
         del self._pending[p.sock]
         self._sel.unregister(p.sock)
-        if not hmac.compare_digest(p.buf, _answer(self._key, p.nonce)):
+        claim = bytes(p.buf[1: 1 + p.buf[0]])
+        known = self._key_for(claim)
+        if known is None or not hmac.compare_digest(bytes(p.buf[:p.got]),
+                                                    _answer(claim, known[1], p.nonce)):
             self.counters["stream_auth_failed"] += 1
-            self._warn("auth", "stream port: a peer failed the handshake (wrong token)")
-            self._turn_away(p.sock, "wrong token")
+            self._warn("auth", "stream port: a peer failed the handshake (wrong credential)")
+            self._turn_away(p.sock, "wrong credential")
             return
         with self._lock:
             full = self._stopping or len(self._conns) >= MAX_CONNECTIONS
             if not full:
                 t = self._conns[p.sock] = threading.Thread(
-                    target=self._serve, args=(p.sock,), daemon=True, name="hicache-mc-stream-conn")
+                    target=self._serve, args=(p.sock, known[0]), daemon=True,
+                    name="hicache-mc-stream-conn")
         if full:
             self.counters["stream_shed"] += 1
             self._turn_away(p.sock, f"the node serves {MAX_CONNECTIONS} connections already")
@@ -305,7 +323,7 @@ class StreamServer:
             self._warned[kind] = now
             log.warning(msg, *args)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, who: Principal) -> None:
         """An authenticated connection's requests, until it closes, idles, stalls or errs."""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -318,6 +336,10 @@ class StreamServer:
                     if raw is None:
                         return              # the client went away, or idled past IDLE_S
                     op, ranges = _decode(raw, self.low, self.size, self.segment)
+                    bad = self.grants.refused(who, ranges, op == "write", time.monotonic())
+                    if bad is not None:
+                        raise ProtocolError(f"range {list(bad)} is not {'reserved' if op == 'write' else 'leased'} "
+                                            "to this peer")
                 except ProtocolError as exc:
                     self.counters["stream_refused"] += 1
                     self._warn("refused", "stream port: refused a request: %s", exc)

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import msgpack
 
+from ..auth import credential
 from ..errors import ProtocolError, StoreUnavailable
 from ..protocol import MAX_HEADER_BYTES
 from .base import buffer_at
@@ -28,8 +29,9 @@ class StreamClient:
     """Per-thread connections to nodes' stream ports; any failure drops the connection."""
 
     def __init__(self, token: str = ""):
-        self.token = token
-        self._key = token.encode()
+        cred = credential(token)        # the cluster token, a credential, or ""
+        self._claim = cred.claim if cred else b"admin:"
+        self._key = cred.seed if cred else b""
         self._local = threading.local()
         self._all: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -68,7 +70,7 @@ class StreamClient:
                 raise ProtocolError(f"stream port {address} speaks version {hello[0]}, "
                                     f"this client {STREAM_VERSION}")
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(_answer(self._key, hello[1:]))
+            sock.sendall(_answer(self._claim, self._key, hello[1:]))
             self._status(sock, address)
         except BaseException:
             sock.close()

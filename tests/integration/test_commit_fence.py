@@ -9,6 +9,8 @@ import time
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
+from hicache_mc.config import MasterConfig
+from hicache_mc.master.service import MasterService
 from procs import request
 
 
@@ -105,16 +107,37 @@ def test_another_client_sees_a_put_once_it_returns(store):
             assert b.exists(f"seen/{i}"), i
 
 
-def test_a_report_after_a_lost_one_is_refused_so_the_node_registers_again(store):
+def test_a_report_after_a_lost_one_is_refused(tmp_path):
     """Reports of a node are numbered: one that does not follow the last applied (a report in
-    between was lost with a dropped connection) is refused, and the node, told so, registers
-    again with its inventory, which holds the lost report's keys."""
+    between was lost with a dropped connection) is refused as a gap, which makes the node
+    register again with its inventory, holding the lost report's keys. A real MasterService,
+    its handlers called as its loop would for the node's connection."""
+    master = MasterService(MasterConfig(port=0))
+    try:
+        info = P.NodeInfo("n1", "tcp://127.0.0.1:1", "h", "/dev/null", 1 << 20)
+        assert isinstance(master.on_RegisterRequest(P.RegisterRequest(info.to_dict()), b"n1-conn", 1),
+                          P.RegisterReply)
+        ok = master.on_CommittedRequest(P.CommittedRequest("n1", ["gap/a"], [1], [0], 1), b"n1-conn", 2)
+        assert isinstance(ok, P.OkReply)
+        lost = P.CommittedRequest("n1", ["gap/lost"], [1], [0], 3)      # 2 never came
+        reply = master.on_CommittedRequest(lost, b"n1-conn", 3)
+        assert isinstance(reply, P.ErrorReply) and reply.code == "report_gap", reply
+        assert master.index.slot_of("gap/lost") is None and master.index.slot_of("gap/a") is not None
+        # the same report from any other connection is not the node's
+        reply = master.on_CommittedRequest(P.CommittedRequest("n1", ["gap/x"], [1], [0], 2), b"other", 4)
+        assert isinstance(reply, P.ErrorReply) and reply.code == "unknown_node", reply
+    finally:
+        master.close()
+
+
+def test_a_report_from_another_connection_is_refused(store):
+    """Only the connection a node registered on speaks for it."""
     with StoreClient(store.master) as c:
         assert c.put("gap/a", b"x")
         node_id, (_, (segment, seq)) = next(iter(c._fences.items()))
-        lost = P.CommittedRequest(node_id, ["gap/lost"], [1], [0], seq + 2)    # seq + 1 never came
-        reply = request(store.master, lost)
-        assert isinstance(reply, P.ErrorReply) and reply.code == "report_gap", reply
-        assert not c.exists("gap/lost")
+        forged = P.CommittedRequest(node_id, ["gap/forged"], [1], [0], seq + 1)
+        reply = request(store.master, forged)
+        assert isinstance(reply, P.ErrorReply) and reply.code == "unknown_node", reply
+        assert not c.exists("gap/forged")
         assert c.put("gap/b", b"y")     # the node's own next report (seq + 1) is applied
         assert c.exists("gap/b") and c.get("gap/b") == b"y"

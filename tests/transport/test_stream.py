@@ -1,8 +1,6 @@
 """The tcp transport's stream port: bytes straight into and out of the node's DRAM segment,
 refusals of bad requests (the node keeps serving), lease release, a node killed mid-transfer.
 (tests/transport/test_stream_guard.py: the handshake and the limits, against one StreamServer.)"""
-import hashlib
-import hmac
 import socket
 import struct
 import threading
@@ -14,7 +12,8 @@ import pytest
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
-from hicache_mc.transport.stream import HEADER_MAX, STREAM_VERSION
+from hicache_mc.auth import issue
+from hicache_mc.transport.stream import HEADER_MAX, STREAM_VERSION, _answer
 from procs import Cluster, request
 from rawsock import recv_exact
 
@@ -78,7 +77,8 @@ def connect(address: str, token: str = "") -> tuple[socket.socket, tuple[bytes, 
     host, port = address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     hello = recv_exact(s, 33)
-    s.sendall(hmac.new(token.encode(), b"hicache-mc stream" + hello[1:], hashlib.sha256).digest())
+    cred = issue(token, "admin") if token else None     # what a client given the token is
+    s.sendall(_answer(b"admin:", cred.seed if cred else b"", hello[1:]))
     return s, read_reply(s)
 
 
@@ -139,7 +139,9 @@ def test_offsets_of_another_segment_are_refused(store):
     head = good(op="write", segment="0ld5e9")
     status, reason = stream_request(node["data_address"], head, trailer=b"x" * 16)
     assert status == b"\1" and "restarted" in reason, reason
-    assert stream_request(node["data_address"], good(segment=segment(node)))[0] == b"\0"
+    # the right segment passes that check, and then this range is not leased to the peer
+    status, reason = stream_request(node["data_address"], good(segment=segment(node)))
+    assert status == b"\1" and "not leased" in reason, reason
 
 
 def test_oversized_header_is_refused_before_it_is_read(store):
@@ -157,8 +159,9 @@ def test_stream_port_checks_the_token(tmp_path):
         for wrong in ("", "wrong"):
             s, (status, reason) = connect(node["data_address"], wrong)
             s.close()
-            assert status == b"\1" and "token" in reason, reason
-        assert stream_request(node["data_address"], good(segment=segment(node)), token="s3cret")[0] == b"\0"
+            assert status == b"\1" and "credential" in reason, reason
+        status, reason = stream_request(node["data_address"], good(segment=segment(node)), token="s3cret")
+        assert status == b"\1" and "not leased" in reason, reason      # past the handshake
         with StoreClient(cluster.master, transport="tcp", token="s3cret") as c:
             assert c.put("tok/a", b"x" * 5000) and c.get("tok/a") == b"x" * 5000
     finally:

@@ -5,8 +5,6 @@ oldest first, slow peers are cut, and the server keeps serving everyone else thr
 A real StreamServer over an anonymous mapping, no cluster: the limits are module constants,
 patched smaller here so the tests wait fractions of a second.
 """
-import hashlib
-import hmac
 import mmap
 import socket
 import struct
@@ -18,9 +16,12 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
+import zmq
 
+from hicache_mc.auth import Guard, issue
 from hicache_mc.errors import ProtocolError, StoreUnavailable
 from hicache_mc.transport import stream
+from hicache_mc.transport.grants import Grants
 from hicache_mc.transport.stream import StreamServer
 from hicache_mc.transport.stream_client import StreamClient
 from rawsock import closed_within, recv_exact
@@ -28,13 +29,26 @@ from rawsock import closed_within, recv_exact
 SIZE, LOW, SEG, TOKEN = 64 << 20, 4096, "s1", "secret"
 
 
+ADMIN = issue(TOKEN, "admin")       # what a client given the token itself is
+
+
 @pytest.fixture
 def server():
     mm = mmap.mmap(-1, SIZE)
-    srv = StreamServer(mm, "127.0.0.1", 0, TOKEN, LOW, SEG)
+    ctx = zmq.Context()
+    guard = Guard(ctx, TOKEN)
+    srv = StreamServer(mm, "127.0.0.1", 0, LOW, SEG, guard.stream_key, Grants())
     yield srv
     srv.close()
+    guard.stop()
+    ctx.term()
     mm.close()
+
+
+def grant(srv: StreamServer, offsets, sizes, write: bool, who=ADMIN.principal) -> None:
+    """What the node's loop does at a lease (read) or a reservation (write)."""
+    for off, size in zip(offsets, sizes):
+        srv.grants.grant(who, off, size, write, time.monotonic() + 30)
 
 
 def connect(srv: StreamServer) -> socket.socket:
@@ -43,11 +57,12 @@ def connect(srv: StreamServer) -> socket.socket:
 
 
 def handshake(s: socket.socket, token: str = TOKEN, hello: bytes = b"") -> bytes:
-    """Answer the node's hello (read here unless given) as the wire format says; the node's
-    verdict byte."""
+    """Answer the node's hello (read here unless given) as the wire format says, as the admin
+    of ``token``'s cluster; the node's verdict byte."""
     hello = hello or recv_exact(s, 33)
     assert hello[0] == stream.STREAM_VERSION
-    s.sendall(hmac.new(token.encode(), b"hicache-mc stream" + hello[1:], hashlib.sha256).digest())
+    cred = issue(token, "admin")
+    s.sendall(stream._answer(cred.claim, cred.seed, hello[1:]))
     return recv_exact(s, 1)
 
 
@@ -61,8 +76,10 @@ def round_trip(srv: StreamServer, client: StreamClient, n: int = 16, size: int =
     dst = np.zeros_like(src)
     offsets, sizes = [LOW + i * size for i in range(n)], [size] * n
     deadline = time.monotonic() + 10
+    grant(srv, offsets, sizes, True)
     sums = client.write(srv.address, SEG, offsets, [src.ctypes.data + i * size for i in range(n)],
                         sizes, deadline)
+    grant(srv, offsets, sizes, False)       # committed, then leased
     assert sums == [xxhash.xxh3_64_intdigest(src[i * size:(i + 1) * size]) for i in range(n)]
     got = client.read(srv.address, SEG, offsets, [dst.ctypes.data + i * size for i in range(n)],
                       sizes, deadline, True)
@@ -89,7 +106,7 @@ def test_a_wrong_token_is_refused_and_the_server_keeps_serving(server):
     assert time.monotonic() - start < 2
     bad.close()
     with connect(server) as s:
-        assert handshake(s, "wrong") == b"\1" and "token" in refusal(s)
+        assert handshake(s, "wrong") == b"\1" and "credential" in refusal(s)
         assert closed_within(s, 2)
     assert server.counters["stream_auth_failed"] == 2
     client = StreamClient(TOKEN)
@@ -198,6 +215,7 @@ def test_a_stalled_write_body_is_cut(server, monkeypatch):
     monkeypatch.setattr(stream, "BODY_S", 0.5)
     head = msgpack.packb({"v": stream.STREAM_VERSION, "op": "write", "segment": SEG,
                           "ranges": [[LOW, 1 << 20]]})
+    grant(server, [LOW], [1 << 20], True)
     with connect(server) as s:
         assert handshake(s) == b"\0"
         s.sendall(struct.pack("!I", len(head)) + head + b"x" * 1000)
@@ -222,11 +240,11 @@ def test_an_idle_connection_is_closed_and_the_client_reconnects(server, monkeypa
 
 BAD = [
     ("not msgpack", b"\xc1\xc1\xc1", "undecodable"),
-    ("a long string", {"v": 3, "op": "read", "segment": "s" * 100_000, "ranges": []}, "undecodable"),
-    ("a token in the header", {"v": 3, "token": TOKEN, "op": "read", "segment": SEG,
+    ("a long string", {"v": stream.STREAM_VERSION, "op": "read", "segment": "s" * 100_000, "ranges": []}, "undecodable"),
+    ("a token in the header", {"v": stream.STREAM_VERSION, "token": TOKEN, "op": "read", "segment": SEG,
                                "ranges": [[LOW, 1]]}, "unexpected"),
     ("a big map", {str(i): i for i in range(100)}, "undecodable"),
-    ("ranges of triples", {"v": 3, "op": "read", "segment": SEG, "ranges": [[LOW, 1, 2]]}, "bad range"),
+    ("ranges of triples", {"v": stream.STREAM_VERSION, "op": "read", "segment": SEG, "ranges": [[LOW, 1, 2]]}, "bad range"),
     ("version 2", {"v": 2, "op": "read", "segment": SEG, "ranges": []}, "version"),
 ]
 
