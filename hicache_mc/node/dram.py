@@ -121,29 +121,31 @@ class DramTier:
             obj.readers += 1
         return obj
 
-    def unlease(self, key: str, offset: int) -> None:
+    def unlease(self, key: str, offset: int) -> int:
         """A writer gives back the slot it reserved for ``key`` at ``offset`` without filling
-        it, or a reader is done with the lease it took on it. When no reader is
+        it (returns the reserved size), or a reader is done with the lease it took on it
+        (returns 0). When no reader is
         left the object is unprotected, and if it was removed meanwhile its slot is free now.
         A reader that never releases (it died) is covered by the lease's end."""
         held = self.reserved.get(key)
         if held is not None and held[0].offset == offset:
             del self.reserved[key]      # a writer gives back a slot it will not fill
             self.alloc.free(offset, held[0].size)
-            return
+            return held[0].size
         obj = self.objects.get(key)
         if obj is None or obj.offset != offset:
             obj = self._held.get(offset)
         if obj is None or obj.readers <= 0:
-            return
+            return 0
         obj.readers -= 1
         if obj.readers:
-            return
+            return 0
         obj.lease_until = 0.0
         if self._held.get(offset) is obj and not obj.busy:
             del self._held[offset]
             self._quarantined_bytes -= obj.size
             self.alloc.free(obj.offset, obj.size)
+        return 0
 
     def view(self, obj: Obj) -> memoryview:
         return memoryview(self.mm)[obj.offset: obj.offset + obj.size]
@@ -207,9 +209,11 @@ class DramTier:
                 self._quarantined_bytes -= obj.size
                 self.alloc.free(offset, obj.size)
 
-    def maintain(self, now: float) -> None:
-        """Expire stale reservations, release quarantine, evict above the high watermark."""
-        for key in [k for k, (_, deadline) in self.reserved.items() if deadline < now]:
+    def maintain(self, now: float) -> list[tuple[str, int]]:
+        """Expire stale reservations, release quarantine, evict above the high watermark;
+        returns the (key, size) of each reservation that expired."""
+        lapsed = [(k, obj.size) for k, (obj, deadline) in self.reserved.items() if deadline < now]
+        for key, _ in lapsed:
             obj, _ = self.reserved.pop(key)
             # the writer may still be copying: keep the slot out of use for one more lease
             obj.lease_until = now + self.lease_s
@@ -222,6 +226,7 @@ class DramTier:
             while self.alloc.used - self._quarantined_bytes > self.low:
                 if not self._evict_next(victims, now):
                     break
+        return lapsed
 
     def remove(self, keys: Iterable[str], now: float) -> list[str]:
         gone = []

@@ -8,10 +8,12 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
 - A read of an SSD-only object stages it back into DRAM; with no room there for it now, the
   lease says so (the reader asks again once it has released others).
 - The master hears of every key that left the node (``drain_dropped``).
-- Tenants (the ``@tenant`` suffix of a key's namespace): bytes held per tenant are counted; a
-  tenant with a quota (this node's share, sent by the master) that would go over it evicts its
-  own least recently used objects first (SSD-only ones, then DRAM), never another tenant's, and
-  the write fails if that cannot make room.
+- Tenants (the ``@tenant`` suffix of a key's namespace): bytes held and bytes reserved per
+  tenant are counted; a reservation is charged when made, credited back when it lapses or is
+  given back, and moves to the bytes held at commit. A tenant with a quota (this node's share,
+  sent by the master) that a reservation would take over it evicts its own least recently used
+  objects first (SSD-only ones, then DRAM), never another tenant's, and the write fails if
+  that cannot make room: no batch overruns a quota.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class TieredStore:
         self.writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
         self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
         self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
+        self.reserved_bytes: dict[str, int] = defaultdict(int)  # tenant -> bytes reserved, not committed
+        self._settled = 0                                     # dram.dropped[:_settled] are out of usage
         self.quota_evictions = 0
         if ssd is not None:
             for key, rec in ssd.index.items():
@@ -59,8 +63,11 @@ class TieredStore:
         return (rec.size, rec.checksum) if rec else None
 
     def unlease(self, key: str, offset: int) -> None:
-        """A reader released its lease on ``key`` at ``offset`` (see DramTier.unlease)."""
-        self.dram.unlease(key, offset)
+        """A reader released its lease on ``key`` at ``offset``, or a writer gave back its
+        reservation (see DramTier.unlease)."""
+        given_back = self.dram.unlease(key, offset)
+        if given_back:
+            self.reserved_bytes[tenant_of(key)] -= given_back
 
     def lease(self, key: str, now: float) -> Optional[Obj]:
         """The object in DRAM, leased (an SSD-only object is staged in first); None when
@@ -119,6 +126,8 @@ class TieredStore:
         if offset == -1:
             offset = self.writeback.room_by_waiting(
                 size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
+        if offset >= 0:
+            self.reserved_bytes[tenant_of(key)] += size
         return offset
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
@@ -149,6 +158,7 @@ class TieredStore:
             else:
                 for i, off in zip(fresh, got):
                     out[i] = off
+                    self.reserved_bytes[tenant_of(keys[i])] += sizes[i]
         for i, off in enumerate(out):
             if off is None:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s)
@@ -163,7 +173,7 @@ class TieredStore:
         """``commit`` for a batch: the committed object per key (None: nothing reserved, or,
         with ``offsets``, reserved at another offset: another writer's slot)."""
         out = []
-        usage, tenants = self.usage, {}
+        usage, charged, tenants = self.usage, self.reserved_bytes, {}
         reserved, objects = self.dram.reserved, self.dram.objects
         for i, (key, checksum) in enumerate(zip(keys, checksums)):
             entry = reserved.get(key)
@@ -180,17 +190,20 @@ class TieredStore:
             if tenant is None:
                 tenant = tenants[ns] = tenant_of(ns)
             usage[tenant] += obj.size
+            charged[tenant] -= obj.size
         return out
 
     # ------------------------------------------------------------ tenants
 
     def _within_quota(self, key: str, size: int, now: float) -> bool:
-        """Make room for ``size`` more bytes of ``key``'s tenant by evicting only its own objects."""
+        """Make room for ``size`` more bytes of ``key``'s tenant (held and reserved) by evicting
+        only its own objects."""
         tenant = tenant_of(key)
         quota = self.quotas.get(tenant)
         if quota is None:
             return True
-        need = self.usage[tenant] + size - quota
+        self._settle()      # objects evicted since the last drain no longer count
+        need = self.usage[tenant] + self.reserved_bytes[tenant] + size - quota
         if need <= 0:
             return True
         if size > quota:
@@ -222,11 +235,17 @@ class TieredStore:
         self.quota_evictions += 1
         return size
 
+    def _settle(self) -> None:
+        """Take the objects that left the node since the last call out of their tenants' usage."""
+        dropped = self.dram.dropped
+        for key, size in dropped[self._settled:]:
+            self.usage[tenant_of(key)] -= size
+        self._settled = len(dropped)
+
     def drain_dropped(self) -> list[str]:
         """Keys that left this node since the last call (for the master); updates usage."""
-        dropped, self.dram.dropped = self.dram.dropped, []
-        for key, size in dropped:
-            self.usage[tenant_of(key)] -= size
+        self._settle()
+        dropped, self.dram.dropped, self._settled = self.dram.dropped, [], 0
         return [k for k, _ in dropped]
 
     # ------------------------------------------------------------ removal
@@ -260,7 +279,8 @@ class TieredStore:
         return self.writeback.persist(keys, waiter)
 
     def maintain(self, now: float) -> None:
-        self.dram.maintain(now)
+        for key, size in self.dram.maintain(now):     # reservations that lapsed
+            self.reserved_bytes[tenant_of(key)] -= size
         self.writeback.maintain(now)
 
     def poll_done(self, now: float) -> None:

@@ -6,8 +6,10 @@ import time
 
 import numpy as np
 
+from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
 from hicache_mc.keys import KVNamespace, batch_page_keys, tenant_of
+from procs import request
 
 MiB = 1 << 20
 
@@ -92,3 +94,31 @@ def test_clear_namespace_removes_only_that_namespace(store):
     with StoreClient(store.master) as c:
         assert c.batch_exists(batch_page_keys(a, ["1", "2"], ("k", "v"))) == 0
         assert c.batch_exists(batch_page_keys(b, ["1"], ("k", "v"))) == 2
+
+
+def test_a_quota_holds_under_one_large_batch(cluster):
+    """Reservations count against the quota: one 32 x 256 KiB batch under a 1 MiB quota stores
+    at most the quota plus one object, and the next batch replaces the tenant's own objects."""
+    cluster.start_master()
+    cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    reply = request(cluster.master, P.QuotaRequest("batchy", MiB))
+    assert isinstance(reply, P.OkReply), reply
+    time.sleep(3 * cluster.heartbeat_s)              # the node learns its share
+    size = 256 << 10
+    buf = np.arange(32 * size, dtype=np.uint32).view(np.uint8)[: 32 * size].copy()
+    ptrs, sizes = [buf.ctypes.data + i * size for i in range(32)], [size] * 32
+    polite = batch_page_keys(ns("polite"), [f"p{i}" for i in range(4)], ("k",))
+    with StoreClient(cluster.master) as c:
+        assert c.batch_put_from(polite, ptrs[:4], sizes[:4]) == [True] * 4
+        for batch in range(2):
+            keys = batch_page_keys(ns("batchy"), [f"b{batch}-{i}" for i in range(32)], ("k",))
+            ok = c.batch_put_from(keys, ptrs, sizes)
+            held = c.batch_contains(keys)
+            assert 0 < sum(held) * size <= MiB + size, (batch, sum(held))
+            assert sum(ok) == sum(held)
+            end = time.monotonic() + 10
+            while cluster.stats()["tenants"]["batchy"]["used"] != sum(held) * size:
+                assert time.monotonic() < end, cluster.stats()["tenants"]
+                time.sleep(0.1)
+        assert c.batch_contains(polite) == [True] * 4         # never another tenant's
