@@ -5,7 +5,11 @@ needs ``libibverbs.so.1`` even for TCP).
 
 - ``NodeEngine`` (node side): one TE per node registers the node's whole DRAM segment mapping;
   the node publishes ``te_address`` (the TE segment name), ``te_base`` (the mapping's address in
-  the node process) and ``te_protocol`` in its ``NodeInfo``.
+  the node process) and ``te_protocol`` in its ``NodeInfo``. The TE has no authentication, and
+  its two listeners (handshake: 0.0.0.0; TCP transport: [::], dual-stack) bind every interface
+  whatever address it is given: no argument or ``MC_*`` variable of the pinned version binds
+  them to one (``MC_TCP_BIND_ADDRESS`` only names the address published to a metadata server).
+  ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` in the environment choose their port range.
 - ``SharedEngine`` (client side): one TE per process, created on first use, with the
   registrations of every client of the process; ``Staging``: a registered bounce buffer.
   The client transport over it is ``te.py``.
@@ -169,7 +173,9 @@ class NodeEngine:
             raise TransferEngineError(f"TE register_memory of the {self.size >> 20} MiB segment", rc)
         self.protocol = protocol
         self.address = segment_name(host, self.engine, metadata)
-        log.info("transfer engine (%s) serving the DRAM segment as %s", protocol, self.address)
+        log.warning("transfer engine (%s) serving the DRAM segment as %s, on every interface and "
+                    "without authentication: firewall its ports (docs/operations.md, section 5)",
+                    protocol, self.address)
 
     def close(self) -> None:
         if self.engine is None:
