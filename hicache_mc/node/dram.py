@@ -2,7 +2,8 @@
 
 The segment is a file under ``/dev/shm`` mapped with mmap. Same-host clients map it too and
 copy straight in (reserved slots) or out (leased objects), so the node never touches the bytes
-on the shm path.
+on the shm path. The node creates it (never opens one that exists) with mode 0600: whoever can
+open it, the node's user or root, reads and writes every object in it.
 
 Reuse safety: every read hands out a lease (``lease_s``); an object freed while a lease on it
 is live goes to quarantine until the lease ends, so a reader never sees its slot rewritten
@@ -48,7 +49,7 @@ class DramTier:
         self.lease_s = lease_s
         self.high = int(capacity * high_watermark)
         self.low = int(capacity * low_watermark)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # ours alone
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)

@@ -1,3 +1,6 @@
+import os
+import stat
+
 import pytest
 
 from hicache_mc.node.dram import DramTier
@@ -151,3 +154,17 @@ def test_reserve_fresh_declines_rather_than_evict(tier):
     # 512 KiB would need an eviction: declined, the key-by-key path decides
     assert tier.reserve_fresh(["x", "y"], [256 << 10] * 2, now=5.0, hold_s=1.0) is None
     assert tier.evictions == 0 and not tier.reserved
+
+
+def test_the_segment_file_is_the_nodes_own(tmp_path):
+    """Mode 0600, and never a file someone else created first (it would keep their access)."""
+    path = tmp_path / "taken"
+    path.write_bytes(b"")
+    os.chmod(path, 0o666)
+    with pytest.raises(FileExistsError):
+        DramTier(str(path), 1 << 20, "abcd1234", 1.0, 0.9, 0.5)
+    t = DramTier(str(tmp_path / "mine"), 1 << 20, "abcd1234", 1.0, 0.9, 0.5)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "mine").st_mode) == 0o600
+    finally:
+        t.close()
