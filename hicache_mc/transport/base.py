@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -342,3 +343,29 @@ class ChecksumCounter:
         self.failures += 1
         log.warning("checksum mismatch on %s: treated as a miss", key)
         return False
+
+
+def recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
+               deadline: Optional[float] = None, stall: Optional[float] = None) -> Optional[int]:
+    """Fill ``view`` from the socket, all of it by ``deadline`` or each CHUNK within ``stall``
+    seconds when given; with ``digest``, the xxh3-64 of what arrived, each chunk hashed as it
+    lands (from cache)."""
+    h, got, n, mark = xxhash.xxh3_64() if digest else None, 0, len(view), 0
+    while got < n:
+        if stall is not None and got >= mark:
+            deadline, mark = time.monotonic() + stall, got + CHUNK
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        k = sock.recv_into(view[got:], min(CHUNK, n - got))
+        if k == 0:
+            raise ConnectionError("connection closed by the peer")
+        if h is not None:
+            h.update(view[got: got + k])
+        got += k
+    return h.intdigest() if h is not None else None
+
+
+def recv_bytes(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    buf = bytearray(n)
+    recv_hash(sock, memoryview(buf), digest=False, deadline=deadline)
+    return bytes(buf)

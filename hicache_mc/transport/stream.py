@@ -57,13 +57,12 @@ from contextlib import suppress
 from typing import Callable, Optional
 
 import msgpack
-import xxhash
 
 from ..auth import Principal
 from ..errors import ProtocolError
 from .grants import Grants
 from ..protocol import MAX_KEYS
-from .base import CHUNK, buffer_at
+from .base import CHUNK, buffer_at, recv_bytes, recv_hash
 
 log = logging.getLogger(__name__)
 
@@ -100,32 +99,6 @@ def _answer(claim: bytes, key: bytes, nonce: bytes) -> bytes:
 def _refusal(reason: str) -> bytes:
     body = reason.encode()
     return REFUSED + _LEN.pack(len(body)) + body
-
-
-def _recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
-               deadline: Optional[float] = None, stall: Optional[float] = None) -> Optional[int]:
-    """Fill ``view`` from the socket, all of it by ``deadline`` or each CHUNK within ``stall``
-    seconds when given; with ``digest``, the xxh3-64 of what arrived, each chunk hashed as it
-    lands (from cache)."""
-    h, got, n, mark = xxhash.xxh3_64() if digest else None, 0, len(view), 0
-    while got < n:
-        if stall is not None and got >= mark:
-            deadline, mark = time.monotonic() + stall, got + CHUNK
-        if deadline is not None:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-        k = sock.recv_into(view[got:], min(CHUNK, n - got))
-        if k == 0:
-            raise ConnectionError("connection closed by the peer")
-        if h is not None:
-            h.update(view[got: got + k])
-        got += k
-    return h.intdigest() if h is not None else None
-
-
-def _recv_bytes(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
-    buf = bytearray(n)
-    _recv_hash(sock, memoryview(buf), digest=False, deadline=deadline)
-    return bytes(buf)
 
 
 def _check_ranges(ranges, low: int, high: int) -> list[tuple[int, int]]:
@@ -356,7 +329,7 @@ class StreamServer:
                         for i in range(0, size, CHUNK):
                             conn.sendall(view[i: i + CHUNK])
                 else:   # each chunk hashed right after it lands (from cache)
-                    sums = [_recv_hash(conn, buffer_at(self.base + off, size), stall=BODY_S)
+                    sums = [recv_hash(conn, buffer_at(self.base + off, size), stall=BODY_S)
                             for off, size in ranges]
                     body = msgpack.packb(sums)
                     self.counters["stream_writes"] += len(ranges)
@@ -380,10 +353,10 @@ class StreamServer:
         if not first:
             return None
         deadline = time.monotonic() + HEADER_S
-        n = _LEN.unpack(first + _recv_bytes(conn, _LEN.size - len(first), deadline))[0]
+        n = _LEN.unpack(first + recv_bytes(conn, _LEN.size - len(first), deadline))[0]
         if n > HEADER_MAX:
             raise ProtocolError(f"header of {n} bytes is over the {HEADER_MAX}-byte limit")
-        return _recv_bytes(conn, n, deadline)
+        return recv_bytes(conn, n, deadline)
 
     def close(self) -> None:
         """Stop the handshakes, cut every connection, wait for their threads (they touch the

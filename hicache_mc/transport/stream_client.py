@@ -13,8 +13,8 @@ import msgpack
 from ..auth import credential
 from ..errors import ProtocolError, StoreUnavailable
 from ..protocol import MAX_HEADER_BYTES
-from .base import buffer_at
-from .stream import _LEN, NONCE_BYTES, OK, STREAM_VERSION, _answer, _recv_bytes, _recv_hash
+from .base import buffer_at, recv_bytes, recv_hash
+from .stream import _LEN, NONCE_BYTES, OK, STREAM_VERSION, _answer
 
 
 def readable(sock: socket.socket) -> bool:
@@ -65,7 +65,7 @@ class StreamClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            hello = _recv_bytes(sock, 1 + NONCE_BYTES, deadline)
+            hello = recv_bytes(sock, 1 + NONCE_BYTES, deadline)
             if hello[0] != STREAM_VERSION:
                 raise ProtocolError(f"stream port {address} speaks version {hello[0]}, "
                                     f"this client {STREAM_VERSION}")
@@ -91,11 +91,11 @@ class StreamClient:
 
     @staticmethod
     def _status(sock: socket.socket, address: str) -> None:
-        status = _recv_bytes(sock, 1)
+        status = recv_bytes(sock, 1)
         if status != OK:
-            n = _LEN.unpack(_recv_bytes(sock, 4))[0]
+            n = _LEN.unpack(recv_bytes(sock, 4))[0]
             raise ProtocolError(f"stream port {address} refused: "
-                                f"{_recv_bytes(sock, min(n, 1 << 16)).decode(errors='replace')}")
+                                f"{recv_bytes(sock, min(n, 1 << 16)).decode(errors='replace')}")
 
     @contextmanager
     def _session(self, address: str, deadline: float, what: str):
@@ -118,7 +118,7 @@ class StreamClient:
         with self._session(address, deadline, "read from") as sock:
             self._request(sock, "read", segment, offsets, sizes)
             self._status(sock, address)
-            return [_recv_hash(sock, buffer_at(ptr, size), digest, deadline)
+            return [recv_hash(sock, buffer_at(ptr, size), digest, deadline)
                     for ptr, size in zip(dsts, sizes)]
 
     def write(self, address: str, segment: str, offsets: Sequence[int], srcs: Sequence[int],
@@ -134,8 +134,8 @@ class StreamClient:
                     sock.sendall(buffer_at(ptr, size))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             self._status(sock, address)
-            n = _LEN.unpack(_recv_bytes(sock, 4))[0]
-            sums = msgpack.unpackb(_recv_bytes(sock, n)) if n <= MAX_HEADER_BYTES else None
+            n = _LEN.unpack(recv_bytes(sock, 4))[0]
+            sums = msgpack.unpackb(recv_bytes(sock, n)) if n <= MAX_HEADER_BYTES else None
             if not (isinstance(sums, list) and len(sums) == len(sizes)
                     and all(type(x) is int for x in sums)):
                 raise ProtocolError(f"stream port {address}: bad checksum list in its reply")
