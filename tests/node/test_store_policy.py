@@ -135,22 +135,28 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         st.close()
 
 
-def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(tmp_path):
-    dram = DramTier(str(tmp_path / "seg4"), 8 * MiB, "abcd4444", lease_s=0.5,
+@pytest.fixture
+def quota_store(tmp_path):
+    """A DRAM-only TieredStore whose tenant "t" may hold 1000 bytes on it."""
+    dram = DramTier(str(tmp_path / "seg"), 8 * MiB, "abcd4444", lease_s=0.5,
                     high_watermark=0.9, low_watermark=0.5)
     st = TieredStore(dram, None, "none", 1.0)
-    try:
-        st.quotas = {"t": 1000}
-        put(st, "ns@t/a", b"a" * 800, 0.0)
-        put(st, "other/x", b"x" * 800, 0.0)
-        # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
-        b, c = st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB)
-        assert b >= 0 and c == -1
-        assert "ns@t/a" not in dram.objects and "other/x" in dram.objects
-        assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
-        assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
-    finally:
-        st.close()
+    st.quotas = {"t": 1000}
+    yield st
+    st.close()
+
+
+def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(quota_store):
+    st = quota_store
+    dram = st.dram
+    put(st, "ns@t/a", b"a" * 800, 0.0)
+    put(st, "other/x", b"x" * 800, 0.0)
+    # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
+    b, c = st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB)
+    assert b >= 0 and c == -1
+    assert "ns@t/a" not in dram.objects and "other/x" in dram.objects
+    assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
+    assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
 
 
 def test_stats_name_at_most_max_tenants_tenants():
@@ -162,40 +168,30 @@ def test_stats_name_at_most_max_tenants_tenants():
     assert top_tenants({"a": 5, "b": 0}) == {"a": 5}
 
 
-def test_reservations_count_against_the_quota_until_committed_or_given_back(tmp_path):
-    dram = DramTier(str(tmp_path / "seg5"), 8 * MiB, "abcd5555", lease_s=0.5,
-                    high_watermark=0.9, low_watermark=0.5)
-    st = TieredStore(dram, None, "none", 1.0)
-    try:
-        st.quotas = {"t": 1000}
-        # one batch: each reservation counts at once, so no batch overruns the quota
-        a, b, c = st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB)
-        assert a >= 0 and b >= 0 and c == -1
-        assert st.reserved_bytes["t"] == 800 and st.usage["t"] == 0
-        st.unlease("ns@t/a", a)                  # given back unfilled: credited back
-        assert st.reserved_bytes["t"] == 400
-        st.maintain(6.0)                         # "b" lapsed: credited back
-        assert st.reserved_bytes["t"] == 0 and not dram.reserved
-        c, d = st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB)
-        assert c >= 0 and d >= 0
-        assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
-        assert st.usage["t"] == 400 and st.reserved_bytes["t"] == 400
-    finally:
-        st.close()
+def test_reservations_count_against_the_quota_until_committed_or_given_back(quota_store):
+    st = quota_store
+    dram = st.dram
+    # one batch: each reservation counts at once, so no batch overruns the quota
+    a, b, c = st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB)
+    assert a >= 0 and b >= 0 and c == -1
+    assert st.reserved_bytes["t"] == 800 and st.usage["t"] == 0
+    st.unlease("ns@t/a", a)                  # given back unfilled: credited back
+    assert st.reserved_bytes["t"] == 400
+    st.maintain(6.0)                         # "b" lapsed: credited back
+    assert st.reserved_bytes["t"] == 0 and not dram.reserved
+    c, d = st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB)
+    assert c >= 0 and d >= 0
+    assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
+    assert st.usage["t"] == 400 and st.reserved_bytes["t"] == 400
 
 
-def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(tmp_path):
-    dram = DramTier(str(tmp_path / "seg6"), 8 * MiB, "abcd6666", lease_s=0.5,
-                    high_watermark=0.9, low_watermark=0.5)
-    st = TieredStore(dram, None, "none", 1.0)
-    try:
-        st.quotas = {"t": 1000}
-        for k in "abc":
-            put(st, f"ns@t/{k}", b"x" * 300, 0.0)
-        # "d" evicts "a"; "e" then needs room for 300 more, which "b" alone makes
-        d, e = st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB)
-        assert d >= 0 and e >= 0
-        assert sorted(dram.objects) == ["ns@t/c"]
-        assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
-    finally:
-        st.close()
+def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
+    st = quota_store
+    dram = st.dram
+    for k in "abc":
+        put(st, f"ns@t/{k}", b"x" * 300, 0.0)
+    # "d" evicts "a"; "e" then needs room for 300 more, which "b" alone makes
+    d, e = st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB)
+    assert d >= 0 and e >= 0
+    assert sorted(dram.objects) == ["ns@t/c"]
+    assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
