@@ -255,12 +255,15 @@ class TieredStore:
             meta = self.meta(key)
             if meta is not None:
                 self.usage[tenant_of(key)] -= meta[0]
+        objects = self.dram.objects
+        # objects on their way to disk: their records land before the tombstones queued here
+        writing = {k for k in keys if k in objects and objects[k].busy}
         gone = set(self.dram.remove(keys, now))
         if self.ssd is not None:
-            on_disk = [k for k in keys if self.ssd.remove(k) is not None]
-            if on_disk:
-                self.ssd.writer.jobs.put(Job("tombstone", on_disk))
-            gone.update(on_disk)
+            on_disk = {k for k in keys if self.ssd.remove(k) is not None}
+            if on_disk or writing:
+                self.ssd.writer.jobs.put(Job("tombstone", sorted(on_disk | writing)))
+            gone |= on_disk
         return [k for k in keys if k in gone]
 
     def clear(self, prefix: str, now: float, tenant: Optional[str] = None) -> list[str]:

@@ -13,16 +13,18 @@
   compacted in the background.
 
 The SSD tier's writer thread does every write; the node loop owns the indexes and applies
-finished jobs (``poll_done``). Without an SSD tier every method is a no-op.
+finished jobs (``poll_done``). A job names the DRAM objects it was started for, not their keys:
+a key removed and stored again meanwhile is another object, which the old job leaves alone.
+Without an SSD tier every method is a no-op.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
-from .dram import DramTier
+from .dram import DramTier, Obj
 from .ssd import Job, SsdTier
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,24 @@ DEMOTE_BATCH_BYTES = 64 << 20   # one sequential write per batch; bounds the loo
 DISK_RETRY_S = 30.0             # after a disk failure, try demoting again this often
 ERROR_LOG_INTERVAL_S = 60.0
 ROOM_WAIT_S = 1.0               # longest one request waits for the SSD writer to free DRAM
+
+
+class Writing(NamedTuple):
+    """The tag of a write-through or demotion job."""
+    demote: bool
+    objs: list[Obj]             # the DRAM object of each item, marked busy until applied
+    waiter: object = None       # a sync write's waiter: answered through ``finished``
+
+
+class Compaction(NamedTuple):
+    """The tag of a compaction job."""
+    seg: int
+    before: dict                # key -> the record it moves (a record replaced meanwhile stays)
+
+
+class Finished(NamedTuple):
+    waiter: object
+    ok: list                    # per key: on disk, and not removed meanwhile
 
 
 class WriteBack:
@@ -47,7 +67,7 @@ class WriteBack:
         self._demoting = False
         self._turn = 0                 # bumped by the node per request (see room_by_waiting)
         self._wait_turn, self._wait_left = -1, 0.0
-        self.finished: list[tuple[object, list[bool]]] = []   # (waiter, per-key ok) of sync writes
+        self.finished: list[Finished] = []      # sync writes done with the disk
 
     def persist(self, keys: list[str], waiter: object = None) -> bool:
         """Start writing newly committed DRAM objects through to SSD, as the policy says.
@@ -56,14 +76,16 @@ class WriteBack:
         ``finished`` with one ok flag per key."""
         if self.durability not in ("sync", "async") or not keys:
             return False
-        items = []
-        for key in keys:
+        items, objs = [], []
+        for key in keys:     # just committed: the key's object is the one to write
             obj = self.dram.objects.get(key)
             if obj is not None and not obj.on_ssd:
                 obj.busy += 1
                 items.append((key, self.dram.view(obj), obj.checksum))
+                objs.append(obj)
         sync = self.durability == "sync"
-        self.ssd.writer.jobs.put(Job("append", items, fsync=sync, tag=("through", keys, waiter if sync else None)))
+        self.ssd.writer.jobs.put(Job("append", items, fsync=sync,
+                                     tag=Writing(False, objs, waiter if sync else None)))
         return sync
 
     def maintain(self, now: float) -> None:
@@ -90,7 +112,7 @@ class WriteBack:
             excess = dram.alloc.used - dram._quarantined_bytes - dram.low
         if excess <= 0 or self._demoting:
             return
-        items, batch = [], 0
+        items, objs, batch = [], [], 0
         for key, obj in list(dram.objects.items()):
             if excess <= 0 or batch >= DEMOTE_BATCH_BYTES:
                 break
@@ -102,13 +124,14 @@ class WriteBack:
             elif self._disk_ok or now >= self._disk_retry_at:
                 obj.busy += 1
                 items.append((key, dram.view(obj), obj.checksum))
+                objs.append(obj)
                 batch += obj.size
             else:
                 dram.drop(key, now)    # the disk failed: fall back to dropping
         if items:
             self._demoting = True
             self._disk_retry_at = now + DISK_RETRY_S
-            self.ssd.writer.jobs.put(Job("append", items, tag=("demote", None, None)))
+            self.ssd.writer.jobs.put(Job("append", items, tag=Writing(True, objs)))
 
     def _compact(self) -> None:
         if self.ssd.compacting:
@@ -120,7 +143,7 @@ class WriteBack:
                 self.ssd.delete_segment(seg)
                 continue
             items = [(k, self._reader(r), r.checksum) for k, r in live]
-            self.ssd.writer.jobs.put(Job("compact", items, tag=("compact", seg, dict(live))))
+            self.ssd.writer.jobs.put(Job("compact", items, tag=Compaction(seg, dict(live))))
 
     def _reader(self, rec):
         ssd = self.ssd
@@ -144,11 +167,10 @@ class WriteBack:
     def _apply(self, job: Job, now: float) -> None:
         self.ssd.note_sizes(job.seg_sizes)
         self._disk_status(job)
-        kind = job.tag[0] if job.tag else job.kind
-        if kind in ("through", "demote"):
-            self._written(job, now, demote=kind == "demote")
-        elif kind == "compact":
-            self._compacted(job)
+        if isinstance(job.tag, Writing):
+            self._written(job, job.tag, now)
+        elif isinstance(job.tag, Compaction):
+            self._compacted(job, job.tag)
 
     def room_by_waiting(self, size: int, now: float, reserve) -> int:
         """Back-pressure: DRAM is full of objects not yet on disk. Demote the oldest and wait
@@ -197,30 +219,27 @@ class WriteBack:
             self.ssd.counters["write_errors"] += 1
         self.dram.drop_dirty = not self._disk_ok   # with no disk to demote to, drop like a cache
 
-    def _written(self, job: Job, now: float, demote: bool) -> None:
-        written = dict(job.result)
-        for key, _, _ in job.items:
-            obj = self.dram.objects.get(key)
-            rec = written.get(key)
-            if rec is not None and obj is not None and not obj.removed:
+    def _written(self, job: Job, tag: Writing, now: float) -> None:
+        """Apply a write-through or demotion to the objects it was started for. One removed
+        meanwhile keeps its slot until now (``removed``); its record is buried by the
+        tombstone ``TieredStore.remove`` queued behind it."""
+        recs = [rec for _, rec in job.result]
+        recs += [None] * (len(job.items) - len(recs))      # a failed job stops part way
+        for (key, _, _), obj, rec in zip(job.items, tag.objs, recs):
+            if rec is not None and not obj.removed:
                 self.ssd.add(key, rec)
                 obj.on_ssd = True
-                self.ssd.counters["demotions"] += demote
-            elif rec is not None:     # removed while being written: bury the new record too
-                self.ssd.writer.jobs.put(Job("tombstone", [key]))
-            if obj is not None:
-                self.dram.release(obj, now)
-                if demote and obj.on_ssd and key in self.dram.objects and not obj.busy:
-                    self.dram.drop(key, now)
-        if demote:
+                self.ssd.counters["demotions"] += tag.demote
+            self.dram.release(obj, now)
+            if tag.demote and obj.on_ssd and not obj.busy and self.dram.objects.get(key) is obj:
+                self.dram.drop(key, now)
+        if tag.demote:
             self._demoting = False
-        _, keys, waiter = job.tag
-        if waiter is not None:
-            ok = [written.get(k) is not None or self.ssd.get(k, touch=False) is not None for k in keys]
-            self.finished.append((waiter, ok))
+        if tag.waiter is not None:
+            self.finished.append(Finished(tag.waiter, [o.on_ssd for o in tag.objs]))
 
-    def _compacted(self, job: Job) -> None:
-        _, seg, before = job.tag
+    def _compacted(self, job: Job, tag: Compaction) -> None:
+        seg, before = tag
         for key, rec in job.result:
             if rec is not None and self.ssd.index.get(key) is before.get(key):
                 self.ssd.add(key, rec)      # moved; a record replaced meanwhile stays

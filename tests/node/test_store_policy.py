@@ -195,3 +195,47 @@ def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
     assert d >= 0 and e >= 0
     assert sorted(dram.objects) == ["ns@t/c"]
     assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
+
+
+def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_value(store):
+    """async: the first object's write-through is still queued when the key is cleared and
+    put again. Each finished write applies to the object it was started for: the new value is
+    read back (from DRAM and, once dropped there, from SSD), and clearing everything frees
+    every DRAM byte."""
+    old, new = b"o" * MiB, b"n" * MiB
+    put(store, "k", old, now=0.0)                   # its write-through is queued, not applied
+    assert store.clear("", 0.0) == ["k"]
+    put(store, "k", new, now=0.0)
+    obj = store.dram.objects["k"]
+    end = time.monotonic() + 10                     # both writes done and applied
+    while obj.busy != 0 or not (store.ssd.writer.jobs.empty() and store.ssd.writer.done.empty()):
+        assert time.monotonic() < end, f"busy {obj.busy}"
+        time.sleep(0.01)
+        store.poll_done(1.0)
+    assert obj.on_ssd
+    assert read(store, "k", 1.0) == new
+    store.dram.drop("k", 1.0)                       # on SSD: DRAM may drop its copy
+    assert read(store, "k", 2.0) == new             # staged back from SSD: the new record
+    assert store.clear("", 3.0) == ["k"]
+    store.poll_done(4.0)
+    assert store.dram.alloc.used == 0 and not store.dram._held
+
+
+def test_a_sync_write_cleared_before_it_reaches_the_disk_is_not_acknowledged(tmp_path):
+    """sync: the key is cleared while its write is on the way to disk. The write is not
+    acknowledged (the node would report a key it no longer holds), and a writer of the key
+    after the clear stores it."""
+    dram = DramTier(str(tmp_path / "seg5"), 8 * MiB, "abcd5555", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    ssd = SsdTier(str(tmp_path / "ssd5"), 64 * MiB, 8 * MiB, 0.95, 0.85)
+    st = TieredStore(dram, ssd, "sync", 1.0)
+    try:
+        put(st, "k", b"a" * 1000, 0.0, persist=False)
+        st.persist(["k"], waiter="w")
+        assert st.clear("", 0.0) == ["k"]
+        while not st.writeback.finished:
+            st.poll_done(1.0)
+        assert st.writeback.finished == [("w", [False])]
+        assert st.reserve("k", 1000, 1.0, 5.0) >= 0           # gone: a new writer stores it
+    finally:
+        st.close()
