@@ -31,7 +31,7 @@ from .limits import (  # noqa: F401  (the limits are part of the protocol)
     MAX_TENANTS, Key, Name, Text, U64, Keys, Ints, Bools, Checksums, NodeIds, Fence,
     NodeRecord, NodeRecords, TenantBytes, NodeStats)
 
-VERSION = 8   # bump whenever a message's fields or meaning change
+VERSION = 9   # bump whenever a message's fields or meaning change
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -52,9 +52,9 @@ class OkReply(Message):
 # ---------------------------------------------------------------- master: client side
 
 # Read-your-writes. A node answers a commit once it has sent ``Committed`` to the master, with
-# its commit sequence number; the writer passes that back as a fence (``after``: node id ->
+# its report sequence number; the writer passes that back as a fence (``after``: node id ->
 # [segment id, seq]) with its next lookups, which the master answers only once it has applied
-# that node's Committed up to that seq (or after FENCE_WAIT_S, in the master). Other clients
+# that node's reports up to that seq (or after FENCE_WAIT_S, in the master). Other clients
 # see the keys once the master has the node's message, sent before the node answers the writer.
 
 
@@ -162,12 +162,15 @@ class CommittedRequest(Message):
     keys: Keys
     sizes: Ints
     checksums: Checksums
-    seq: U64 = 0             # the node's commit sequence number this message completes (0: none)
+    seq: U64 = 0             # the node's report sequence number (0: its inventory, unnumbered)
 
 
 class EvictedRequest(Message):
     node_id: Name
     keys: Keys
+    # numbered in the same sequence as CommittedRequest: the master applies a node's reports
+    # in that order only, so an eviction never undoes a later commit of the same key
+    seq: U64 = 0
 
 
 # ---------------------------------------------------------------- node data plane
@@ -227,7 +230,7 @@ class CommitRequest(Message):
 
 class CommitReply(Message):
     ok: Bools
-    seq: U64 = 0             # the node's commit sequence number (a fence for the writer's lookups)
+    seq: U64 = 0             # the node's report sequence number (a fence for the writer's lookups)
 
 
 class ClearRequest(Message):

@@ -16,7 +16,7 @@ class NodeState:
     stats: dict = field(default_factory=dict)
     planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
     record: dict = field(default_factory=dict)   # info.to_dict(), built once: replies carry it
-    seq: int = 0            # the node's last Committed sequence number applied (fences)
+    seq: int = 0            # the node's last report (Committed, Evicted) applied (fences)
     ident: bytes = b""      # the connection it registered on: its reports count only from there
 
     def __post_init__(self):

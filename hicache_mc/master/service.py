@@ -276,27 +276,39 @@ class MasterService(Service):
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered here")
         if not len(msg.keys) == len(msg.sizes) == len(msg.checksums):
             return P.ErrorReply("bad_request", "Committed: keys, sizes and checksums differ in length")
-        if msg.keys and msg.seq and msg.seq != st.seq + 1:
-            # a report before this one was lost (a dropped connection): the node registers
-            # again with its inventory, which holds the lost report's keys
-            return P.ErrorReply("report_gap", f"node {msg.node_id!r}: report {msg.seq} after "
-                                f"{st.seq}; register again")
+        if msg.keys and msg.seq and msg.seq != st.seq + 1:     # (seq 0: the inventory)
+            return self._gap(msg, st)
         self.index.add_many(msg.keys, st.slot, msg.sizes, msg.checksums)
         st.last_seen = time.monotonic()
         self.counters["committed"] += len(msg.keys)
-        if msg.seq > st.seq:
-            st.seq = msg.seq
-            if self._parked:
-                self._unpark()
+        self._applied(st, msg.seq)
         return P.OkReply()
 
     def on_EvictedRequest(self, msg: P.EvictedRequest, ident, req_id):
         st = self.registry.reporter(msg.node_id, ident)
         if st is None:
             return P.ErrorReply("unknown_node", f"node {msg.node_id!r} is not registered here")
+        if msg.keys and msg.seq != st.seq + 1:
+            return self._gap(msg, st)
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
         self.counters["evicted"] += removed
+        self._applied(st, msg.seq)
         return P.OkReply()
+
+    @staticmethod
+    def _gap(msg, st) -> P.ErrorReply:
+        """A node's numbered report that does not follow the last one applied: one before it
+        was lost (a dropped connection), or this one comes late. Applied, it could drop a key
+        committed since or miss one; refused, the node registers again with its inventory."""
+        return P.ErrorReply("report_gap", f"node {msg.node_id!r}: report {msg.seq} after "
+                            f"{st.seq}; register again")
+
+    def _applied(self, st, seq: int) -> None:
+        """The node's reports up to ``seq`` are applied: lookups fenced on them may go."""
+        if seq > st.seq:
+            st.seq = seq
+            if self._parked:
+                self._unpark()
 
     # -------------------------------------------------------------- metrics
 

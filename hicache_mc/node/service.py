@@ -1,14 +1,16 @@
 """StorageNode: the data plane (ROUTER) plus a channel to the master, in one loop.
 
 Commits are reported to the master before the writer hears back: the node sends ``Committed``
-(numbered: the node's commit sequence) and then answers the writer with that number, without
+(numbered: the node's report sequence) and then answers the writer with that number, without
 waiting for the master's acknowledgement. The writer's next lookups carry the number as a
 fence, which the master honours before answering (protocol.py), so a put that returns is
 visible to its writer at once, and to every other client as soon as the master has read the
 message the node sent before answering. A node whose messages to the master are lost
 registers again with its whole inventory, so nothing it acknowledged stays unknown to the
-master. Evictions travel on the same connection after the commits they follow, so the master
-applies both in the node's order.
+master. Evictions are numbered in the same sequence and travel on the same connection: the
+master applies a node's reports only in the node's order (one out of order is refused, and
+the node registers again), and an eviction is reported only for a key the node does not hold
+again by the time the report goes.
 
 The node reports through its DEALER to the master's ROUTER, which applies reports read in the
 same loop turn as lookups before them: a report that reached the master before a lookup that
@@ -111,7 +113,7 @@ class StorageNode(Service):
         self._announced = False     # registered (with the inventory) on the current channel
         self._req = 0
         self._register_req = 0     # request id of the latest RegisterRequest
-        self._seq = 0                           # Committed messages sent (see the docstring)
+        self._seq = 0                           # reports numbered (see the docstring)
         # req_id -> (deadline, client ident, client req id, reply, reply if the master refuses)
         self._pending: dict[int, tuple[float, bytes, int, P.Message, P.Message]] = {}
         self.epoch: Optional[str] = None
@@ -252,8 +254,8 @@ class StorageNode(Service):
         self.grants.purge(now)
         if self.dram.dropped:
             dropped = self.store.drain_dropped()
-            if self._announced:     # else the inventory it registers with leaves them out
-                self._to_master(P.EvictedRequest(self.node_id, dropped))
+            if self._announced and dropped:     # else the inventory it registers with leaves them out
+                self._evicted(dropped)
         for req_id in [r for r, w in self._pending.items() if w[0] < now]:
             _, ident, client_req, _, failed = self._pending.pop(req_id)
             log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)
@@ -344,8 +346,13 @@ class StorageNode(Service):
         if not self._announced:     # the inventory it registers with leaves them out
             return P.ClearReply(len(gone))
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
-        self._to_master(P.EvictedRequest(self.node_id, gone), (ident, req_id, P.ClearReply(len(gone)), failed))
+        self._evicted(gone, (ident, req_id, P.ClearReply(len(gone)), failed))
         return None
+
+    def _evicted(self, keys: list[str], waiter: Optional[tuple] = None) -> None:
+        """Tell the master that ``keys`` left this node: a report numbered like commits."""
+        self._seq += 1
+        self._to_master(P.EvictedRequest(self.node_id, keys, self._seq), waiter)
 
     def metric_families(self) -> list:
         st = self.stats()

@@ -7,7 +7,8 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
   "busy", and one of a key stored already "stored".
 - A read of an SSD-only object stages it back into DRAM; with no room there for it now, the
   lease says so (the reader asks again once it has released others).
-- The master hears of every key that left the node (``drain_dropped``).
+- The master hears of every key that left the node and is not held again by the time the
+  report goes (``drain_dropped``).
 - Tenants (the ``@tenant`` suffix of a key's namespace): bytes held and bytes reserved per
   tenant are counted; a reservation is charged when made, credited back when it lapses or is
   given back, and moves to the bytes held at commit. A tenant with a quota (this node's share,
@@ -243,10 +244,12 @@ class TieredStore:
         self._settled = len(dropped)
 
     def drain_dropped(self) -> list[str]:
-        """Keys that left this node since the last call (for the master); updates usage."""
+        """Keys that left this node since the last call, for the master: not those stored
+        again meanwhile (their commit is reported already; this report must not undo it).
+        Updates usage."""
         self._settle()
         dropped, self.dram.dropped, self._settled = self.dram.dropped, [], 0
-        return [k for k, _ in dropped]
+        return [k for k, _ in dropped if not self.contains(k)]
 
     # ------------------------------------------------------------ removal
 

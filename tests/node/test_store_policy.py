@@ -239,3 +239,21 @@ def test_a_sync_write_cleared_before_it_reaches_the_disk_is_not_acknowledged(tmp
         assert st.reserve("k", 1000, 1.0, 5.0) >= 0           # gone: a new writer stores it
     finally:
         st.close()
+
+
+def test_an_eviction_is_not_reported_for_a_key_stored_again_before_the_report(tmp_path):
+    """The master hears of evictions when the node loop drains them; a key committed again
+    in between is held, and its report must not remove it from the master's index."""
+    dram = DramTier(str(tmp_path / "seg6"), 8 * MiB, "abcd6666", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    st = TieredStore(dram, None, "none", 1.0)
+    try:
+        put(st, "k", b"a" * 100, 0.0)
+        put(st, "gone", b"g" * 100, 0.0)
+        dram.drop("k", 0.0)                 # evicted (LRU): the master is to hear of it
+        dram.drop("gone", 0.0)
+        put(st, "k", b"b" * 100, 0.0)       # stored again before the report went
+        assert st.drain_dropped() == ["gone"]
+        assert st.usage[""] == 100
+    finally:
+        st.close()
