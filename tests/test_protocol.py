@@ -166,6 +166,18 @@ def test_limits_on_keys_checksums_and_lengths():
             match=r"RegisterRequest\.node")
 
 
+def test_the_largest_inventory_chunk_is_within_the_limits():
+    """A node registers with its inventory in CommittedRequests of INVENTORY_CHUNK keys: the
+    largest such message (longest node id, keys, sizes, checksums) decodes."""
+    from hicache_mc.node.service import INVENTORY_CHUNK
+    n = INVENTORY_CHUNK
+    msg = P.CommittedRequest("n" * P.MAX_NAME, ["k" * P.MAX_KEY_BYTES] * n, [(1 << 63) - 1] * n,
+                             [(1 << 64) - 1] * n, (1 << 64) - 1)
+    data = P.encode(msg, (1 << 64) - 1)
+    assert n <= P.MAX_KEYS and len(data) <= P.MAX_HEADER_BYTES
+    assert P.decode(data).msg == msg
+
+
 def test_frame_over_the_size_limit_is_refused_unread():
     data = P.encode(P.ExistsRequest(["k" * 1000] * 20_000), 12)
     assert len(data) <= P.MAX_HEADER_BYTES

@@ -227,10 +227,11 @@ class StorageNode(Service):
                 self._reregister(time.monotonic())
         elif isinstance(msg, P.ErrorReply):
             log.warning("master refused a request: %s %s", msg.code, msg.message)
-            if msg.code in ("unknown_node", "report_gap") and req_id > self._register_req:
-                # a report the master did not take, or one before it lost on the way: register
-                # again (with the whole inventory, which covers them) once the last
-                # registration is a heartbeat interval old
+            if req_id >= self._register_req:
+                # the registration, a heartbeat or a report the master did not take, whatever
+                # the reason (it does not know the node, one before was lost, a limit, a
+                # fault): register again, with the whole inventory, which covers them, once
+                # the last registration is a heartbeat interval old
                 self._announced, self.epoch = False, None
         waiter = self._pending.pop(req_id, None)
         if waiter is not None:

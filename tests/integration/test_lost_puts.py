@@ -1,8 +1,19 @@
 """Acknowledged puts that must not be lost: reports the master gets late or refuses, and
 objects whose bytes do not match their checksum (issue 19)."""
+import time
+
+import numpy as np
+
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
-from procs import request
+from procs import Cluster, request
+
+
+def wait_for(pred, what: str, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.05)
 
 
 def test_a_late_eviction_report_leaves_a_key_committed_after_it(store):
@@ -17,4 +28,33 @@ def test_a_late_eviction_report_leaves_a_key_committed_after_it(store):
         assert c.exists("late/k")
         assert c.put("late/k", b"v1") and c.get("late/k") == b"v1"
         assert c.clear("late/") == 1 and not c.exists("late/k")   # the node's own report
+
+
+def test_a_refused_report_makes_the_node_register_again(tmp_path):
+    """A report the master refuses (here: the eviction report of a clear of more keys than a
+    message may hold) makes the node register again: its inventory is the truth, and the
+    cleared keys are gone from the master's index. (Heartbeats are far apart: neither the
+    master nor the node, busy clearing, takes the other for gone and so resyncs instead.)"""
+    n, batch = P.MAX_KEYS + 1, 1 << 16
+    keys = [f"many/{i}" for i in range(n)]
+    buf = np.zeros(n, np.uint8)
+    cluster = Cluster(tmp_path, heartbeat_s=5.0).start_serve()
+    try:
+        _put_and_clear(cluster.master, keys, buf, batch)
+    finally:
+        cluster.stop()
+
+
+def _put_and_clear(master, keys, buf, batch):
+    n = len(keys)
+    with StoreClient(master, timeout_s=60.0) as c:
+        for i in range(0, n, batch):
+            part = keys[i: i + batch]
+            ptrs = [buf.ctypes.data + j for j in range(i, i + len(part))]
+            assert all(c.batch_put_from(part, ptrs, [1] * len(part)))
+        assert c.batch_contains([keys[0], keys[-1]]) == [True, True]
+        c.clear("many/")
+        wait_for(lambda: c.batch_contains([keys[0], keys[-1]]) == [False, False],
+                 "the master still indexes the cleared keys")
+        assert c.put("many/0", b"x") and c.get("many/0") == b"x"
 
