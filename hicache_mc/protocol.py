@@ -201,6 +201,10 @@ class ReleaseRequest(Message):
     # slot may be reused at once instead of when the lease runs out.
     keys: Keys
     offsets: Ints
+    # per key (or empty): the reader's copy, made under the lease, did not match the checksum.
+    # The node hashes each such object still at that offset and drops it (telling the master
+    # before it answers) when it does not match either: a re-put then stores it again.
+    damaged: Bools = []
 
 
 class ReserveRequest(Message):

@@ -27,7 +27,7 @@ EVERY_MESSAGE = [
     P.HeartbeatReply("e", True, {"t": 5}), P.QuotaRequest("t", -1),
     P.CommittedRequest("n1", KEYS, [1, 2], [0, (1 << 64) - 1], 3), P.EvictedRequest("n1", KEYS, 4),
     P.LeaseRequest(KEYS), P.LeaseReply([0, -1], [3, -1], [7, 0], 1.5, "ab12"),
-    P.ReleaseRequest(KEYS, [0, 256]), P.ReserveRequest(KEYS, [3, 4]),
+    P.ReleaseRequest(KEYS, [0, 256], [True, False]), P.ReserveRequest(KEYS, [3, 4]),
     P.ReserveReply([0, P.RESERVE_FULL], 2.0, "ab12"), P.CommitRequest(KEYS, [1, 2], [0, 256]),
     P.CommitReply([True, False], 9), P.ClearRequest("ns/"), P.ClearReply(3), P.NodeStatsRequest(),
 ]

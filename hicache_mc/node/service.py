@@ -289,11 +289,20 @@ class StorageNode(Service):
         return P.LeaseReply(offsets, sizes, checksums, self.config.lease_s * 0.8, self.segment_id)
 
     def on_ReleaseRequest(self, msg: P.ReleaseRequest, ident, req_id):
-        if len(msg.keys) != len(msg.offsets):
-            return P.ErrorReply("bad_request", "Release: keys and offsets differ in length")
+        if len(msg.keys) != len(msg.offsets) or len(msg.damaged) not in (0, len(msg.keys)):
+            return P.ErrorReply("bad_request", "Release: keys, offsets and damaged differ in length")
+        held = []
         for key, offset in zip(msg.keys, msg.offsets):
-            if self.grants.revoke(self.peer, offset):   # only what was leased (reserved) to it
+            held.append(self.grants.revoke(self.peer, offset))  # only what was leased (reserved) to it
+            if held[-1]:
                 self.store.unlease(key, offset)
+        bad = [i for i, d in enumerate(msg.damaged) if d and held[i]]
+        gone = self.store.drop_damaged([msg.keys[i] for i in bad], [msg.offsets[i] for i in bad],
+                                       time.monotonic()) if bad else []
+        if gone and self._announced:    # (else the inventory it registers with leaves them out)
+            failed = P.ErrorReply("master_unavailable", "dropped damaged objects; the master did not confirm")
+            self._evicted(gone, (ident, req_id, P.OkReply(), failed))
+            return None
         return P.OkReply()
 
     def on_ReserveRequest(self, msg: P.ReserveRequest, ident, req_id):

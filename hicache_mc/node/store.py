@@ -9,6 +9,8 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
   lease says so (the reader asks again once it has released others).
 - The master hears of every key that left the node and is not held again by the time the
   report goes (``drain_dropped``).
+- An object a reader found damaged, whose bytes fail its checksum here too, is removed
+  (``drop_damaged``): a put of the key stores it again.
 - Tenants (the ``@tenant`` suffix of a key's namespace): bytes held and bytes reserved per
   tenant are counted; a reservation is charged when made, credited back when it lapses or is
   given back, and moves to the bytes held at commit. A tenant with a quota (this node's share,
@@ -22,6 +24,8 @@ import logging
 import time
 from collections import defaultdict
 from typing import Optional
+
+import xxhash
 
 from ..keys import tenant_of
 from ..protocol import MAX_TENANTS, RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
@@ -268,6 +272,18 @@ class TieredStore:
                 self.ssd.writer.jobs.put(Job("tombstone", sorted(on_disk | writing)))
             gone |= on_disk
         return [k for k in keys if k in gone]
+
+    def drop_damaged(self, keys: list[str], offsets: list[int], now: float) -> list[str]:
+        """Remove the objects a reader found damaged: those still at the offset it read
+        (the same object) whose bytes do not match their checksum here either (a commit that
+        named another checksum, bytes changed since). Returns the keys removed."""
+        bad = [k for k, off in dict(zip(keys, offsets)).items()
+               if (obj := self.dram.objects.get(k)) is not None and obj.offset == off
+               and xxhash.xxh3_64_intdigest(self.dram.view(obj)) != obj.checksum]
+        if bad:
+            log.warning("%d objects do not match their checksums (e.g. %s); dropped them",
+                        len(bad), bad[0][:200])
+        return self.remove(bad, now)
 
     def clear(self, prefix: str, now: float, tenant: Optional[str] = None) -> list[str]:
         """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None)."""

@@ -242,15 +242,18 @@ class LeasedTransport(Transport):
                 spare_offs.append(off)
         got = self.fetch(node, offs, [ptrs[i] for i in todo], [sizes[i] for i in todo],
                          min(deadline, until)) if todo else []
-        # done with the slots: the node may reuse them now (one Release, not awaited). A
-        # failed fetch releases nothing: a transfer it abandoned may still be running.
-        self.cancel(node, [keys[i] for i in todo] + spare, offs + spare_offs)
         if todo and time.monotonic() > until:
             log.warning("%s read of %d objects outlived its lease; treated as misses",
                         self.name, len(todo))
-            return later
-        for i, expected, actual in zip(todo, sums, got):
-            out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
+            damaged = []
+        else:
+            for i, expected, actual in zip(todo, sums, got):
+                out[i] = not self.verify or self.checks.check(keys[i], expected, actual)
+            # a copy made under the lease that does not match: the object may be damaged
+            damaged = [not out[i] for i in todo] + [False] * len(spare)
+        # done with the slots: the node may reuse them now (one Release). A failed fetch
+        # releases nothing: a transfer it abandoned may still be running.
+        self.cancel(node, [keys[i] for i in todo] + spare, offs + spare_offs, damaged, deadline)
         return later
 
     def write(self, node, keys, ptrs, sizes, deadline):
@@ -320,13 +323,20 @@ class LeasedTransport(Transport):
         for i, ok in zip(idx, reply.ok):
             out[i] = ok
 
-    def cancel(self, node, keys: list[str], offsets: list[int]) -> None:
+    def cancel(self, node, keys: list[str], offsets: list[int], damaged: Sequence[bool] = (),
+               deadline: float = 0.0) -> None:
         """Give back reserved slots that will not be written, or leases that will not be
-        read (the reply is not awaited)."""
+        read (the reply is not awaited), or leases that were read: ``damaged`` says of each
+        whether its copy failed its checksum. Then the node checks those objects, drops the
+        ones that are damaged and tells the master before it answers (awaited until
+        ``deadline``): once a read has missed on a damaged object, a put stores it again."""
         if keys:
             ch = self.channel_for(node.address)
             try:
-                ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])
+                if any(damaged):
+                    ch.recv(ch.send(P.ReleaseRequest(keys, offsets, list(damaged))), deadline)
+                else:
+                    ch.forget([ch.send(P.ReleaseRequest(keys, offsets))])
             except HicacheError as exc:     # unreleased leases and slots lapse on the node
                 log.debug("release on %s failed: %s", node.node_id, exc)
 

@@ -1,11 +1,15 @@
 """Acknowledged puts that must not be lost: reports the master gets late or refuses, and
 objects whose bytes do not match their checksum (issue 19)."""
+import mmap
+import os
 import time
 
 import numpy as np
+import pytest
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
+from hicache_mc.transport.base import checksum
 from procs import Cluster, request
 
 
@@ -58,3 +62,36 @@ def _put_and_clear(master, keys, buf, batch):
                  "the master still indexes the cleared keys")
         assert c.put("many/0", b"x") and c.get("many/0") == b"x"
 
+
+def _segment(store):
+    node = store.cluster.stats()["nodes"][0]
+    fd = os.open(node["shm_path"], os.O_RDWR)
+    try:
+        return node, mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how, transport", [("bad checksum", "shm"), ("overwritten", "tcp")])
+def test_a_damaged_object_is_dropped_when_read_and_a_re_put_stores_it(store, how, transport):
+    """A commit whose checksum does not match the bytes, or bytes changed under a committed
+    object: the first read is a miss and drops the object, so a re-put stores it again."""
+    key, data = f"damaged/{transport}", b"d" * 4096
+    node, seg = _segment(store)
+    with StoreClient(store.master, transport=transport) as c:
+        if how == "bad checksum":       # a writer whose commit names another checksum
+            off = request(node["address"], P.ReserveRequest([key], [len(data)])).offsets[0]
+            seg[off: off + len(data)] = data
+            reply = request(node["address"], P.CommitRequest([key], [checksum(data) ^ 1], [off]))
+            assert reply.ok == [True]
+            wait_for(lambda: c.exists(key), "the commit was not reported")
+        else:                           # bytes changed under a committed object
+            assert c.put(key, data)
+            off = request(node["address"], P.LeaseRequest([key])).offsets[0]
+            request(node["address"], P.ReleaseRequest([key], [off]))
+            seg[off] ^= 0xFF
+        assert c.exists(key)
+        assert c.get(key) is None               # the reader's copy does not match: a miss
+        assert not c.exists(key)                # dropped at once
+        assert c.put(key, data) and c.get(key) == data
+    seg.close()

@@ -257,3 +257,23 @@ def test_an_eviction_is_not_reported_for_a_key_stored_again_before_the_report(tm
         assert st.usage[""] == 100
     finally:
         st.close()
+
+
+def test_an_object_a_reader_found_damaged_is_dropped_only_if_it_is(tmp_path):
+    """A reader's checksum mismatch names the key and the offset it read: the store drops the
+    object only if it is still the one at that offset and fails its checksum here too."""
+    dram = DramTier(str(tmp_path / "seg7"), 8 * MiB, "abcd7777", lease_s=0.5,
+                    high_watermark=0.9, low_watermark=0.5)
+    st = TieredStore(dram, None, "none", 1.0)
+    try:
+        put(st, "k", b"a" * 1000, 0.0)
+        off = dram.objects["k"].offset
+        assert st.drop_damaged(["k"], [off], 0.0) == []         # intact: the reader's fault
+        dram.mm[off] ^= 0xFF
+        assert st.drop_damaged(["k"], [off + 256], 0.0) == []   # another object's offset
+        assert st.drop_damaged(["k", "k"], [off, off], 0.0) == ["k"]
+        assert "k" not in dram.objects and st.usage[""] == 0
+        put(st, "k", b"a" * 1000, 1.0)                          # a re-put stores it again
+        assert read(st, "k", 1.0) == b"a" * 1000
+    finally:
+        st.close()
