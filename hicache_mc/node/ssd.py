@@ -14,9 +14,10 @@ On-disk format (little endian), one record after another in ``seg-<n>.dat`` file
     value   vlen bytes
 
 A restart scans every segment in order; a header that fails its magic, version, crc or length
-check ends that segment's scan (a torn tail), and later segments go on. A value whose bytes
-were damaged is caught when read (its xxh3 is checked before it is served) and dropped. New
-records always go to a fresh segment after a restart, never after a possibly torn tail.
+check ends that segment's scan (a torn tail), and later segments go on; a record whose key is
+longer than MAX_KEY_BYTES (no message could name it to the master) is left out. A value whose
+bytes were damaged is caught when read (its xxh3 is checked before it is served) and dropped.
+New records always go to a fresh segment after a restart, never after a possibly torn tail.
 
 Threads: one writer thread owns the active segment and does every write (appends, tombstones,
 compaction copies, fsync). The node loop owns the index and does the reads (``pread``); it
@@ -40,6 +41,7 @@ from typing import Callable, Optional
 import xxhash
 
 from ..errors import HicacheError
+from ..limits import MAX_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +249,15 @@ class SsdTier:
     def _recover(self) -> int:
         segs = sorted(int(n[4:12]) for n in os.listdir(self.dir)
                       if n.startswith("seg-") and n.endswith(".dat") and n[4:12].isdigit())
+        too_long = 0
         for seg in segs:
             path = self.path(seg)
             self.seg_sizes[seg] = os.path.getsize(path)
             self.seg_live.setdefault(seg, 0)
             for kind, key, rec in scan_segment(path, seg):
+                if len(key) > MAX_KEY_BYTES:    # (written before keys were limited) no
+                    too_long += 1               # message could name it to the master
+                    continue
                 old = self.index.pop(key, None)
                 if old is not None:
                     self.seg_live[old.seg] -= old.size
@@ -260,6 +266,9 @@ class SsdTier:
                     self.seg_live[seg] += rec.size
         if segs:
             log.info("ssd tier %s: recovered %d objects from %d segments", self.dir, len(self.index), len(segs))
+        if too_long:
+            log.warning("ssd tier %s: left out %d records whose keys are over %d characters",
+                        self.dir, too_long, MAX_KEY_BYTES)
         return segs[-1] if segs else 0
 
     def path(self, seg: int) -> str:

@@ -277,3 +277,20 @@ def test_an_object_a_reader_found_damaged_is_dropped_only_if_it_is(tmp_path):
         assert read(st, "k", 1.0) == b"a" * 1000
     finally:
         st.close()
+
+
+def test_recovery_leaves_out_records_whose_keys_no_message_may_carry(tmp_path):
+    """A segment written before keys were limited may hold longer ones: indexed, they would
+    go into an inventory message the master refuses (over the key limit), with the other
+    keys of that message, at every registration."""
+    from hicache_mc.node.ssd import Job
+    from hicache_mc.protocol import MAX_KEY_BYTES
+    ssd = SsdTier(str(tmp_path / "ssd8"), 64 * MiB, 8 * MiB, 0.95, 0.85)
+    long_key, data = "k" * (MAX_KEY_BYTES + 1), b"v" * 100
+    ssd.writer.jobs.put(Job("append", [(long_key, data, checksum(data)), ("ok", data, checksum(data))]))
+    ssd.close()
+    ssd = SsdTier(str(tmp_path / "ssd8"), 64 * MiB, 8 * MiB, 0.95, 0.85)
+    try:
+        assert list(ssd.index) == ["ok"]
+    finally:
+        ssd.close()
