@@ -30,13 +30,13 @@ import zmq
 
 from .. import protocol as P
 from ..config import NodeConfig
-from ..metrics import counter, gauge, histogram_family
 from ..auth import issue, secure_client
 from ..rpc import Service
 from ..transport.shm import host_identity
 from ..transport.grants import Grants
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
+from .metrics import node_families
 from .ssd import SsdTier
 from .pending import PendingWrite
 from .store import TieredStore
@@ -365,42 +365,7 @@ class StorageNode(Service):
         self._to_master(P.EvictedRequest(self.node_id, keys, self._seq), waiter)
 
     def metric_families(self) -> list:
-        st = self.stats()
-        node = self.node_id
-        fams = []
-        gauges = {"capacity": ("dram_capacity_bytes", "DRAM tier capacity"),
-                  "used": ("dram_used_bytes", "DRAM tier bytes in use"),
-                  "objects": ("dram_objects", "objects in the DRAM tier"),
-                  "ssd_capacity": ("ssd_capacity_bytes", "SSD tier capacity"),
-                  "ssd_used": ("ssd_used_bytes", "SSD tier bytes on disk"),
-                  "ssd_live": ("ssd_live_bytes", "SSD tier bytes of live records"),
-                  "ssd_objects": ("ssd_objects", "objects in the SSD tier"),
-                  "objects_total": ("objects", "objects on this node, any tier")}
-        for key, (name, help_) in gauges.items():
-            if key in st:
-                fams.append(gauge(f"hicache_mc_node_{name}", help_, st[key], node=node))
-        counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
-                    "read_hits": "keys served", "writes": "objects committed",
-                    "bytes_in": "object bytes written",
-                    "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
-                    "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
-                    "ssd_corrupt": "damaged SSD records found (checksum failures)",
-                    "ssd_write_errors": "failed SSD writes",
-                    "stream_reads": "objects read through the stream port",
-                    "stream_writes": "objects written through the stream port",
-                    "stream_refused": "stream-port requests refused (bad header or range)",
-                    "stream_auth_failed": "stream-port peers refused at the handshake (wrong token)",
-                    "stream_auth_timeout": "stream-port peers that did not answer the handshake in time",
-                    "stream_shed": "stream-port peers dropped to make room (connection caps)"}
-        for key, help_ in counters.items():
-            if key in st:
-                fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
-        rejected = counter("hicache_mc_node_rejected_total", "error replies to bad requests, per code")
-        for code, n in self.rejected.items():
-            rejected.add(n, code=code, node=node)
-        fams += [rejected, histogram_family("hicache_mc_node_request_seconds", "request handling time",
-                                            "type", self.latency)]
-        return fams
+        return node_families(self.node_id, self.stats(), self.rejected, self.latency)
 
     def on_NodeStatsRequest(self, msg, ident, req_id):
         return P.StatsReply({"node_id": self.node_id, **self.stats()})

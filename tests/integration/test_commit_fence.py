@@ -123,6 +123,10 @@ def test_a_report_after_a_lost_one_is_refused(tmp_path):
         reply = master.on_CommittedRequest(lost, b"n1-conn", 3)
         assert isinstance(reply, P.ErrorReply) and reply.code == "report_gap", reply
         assert master.index.slot_of("gap/lost") is None and master.index.slot_of("gap/a") is not None
+        # an eviction is numbered in the same sequence: a late one (seq 1 again) leaves the key
+        late = master.on_EvictedRequest(P.EvictedRequest("n1", ["gap/a"], 1), b"n1-conn", 5)
+        assert isinstance(late, P.ErrorReply) and late.code == "report_gap", late
+        assert master.index.slot_of("gap/a") is not None
         # the same report from any other connection is not the node's
         reply = master.on_CommittedRequest(P.CommittedRequest("n1", ["gap/x"], [1], [0], 2), b"other", 4)
         assert isinstance(reply, P.ErrorReply) and reply.code == "unknown_node", reply

@@ -1,0 +1,41 @@
+"""A storage node's Prometheus metric families, from its stats (see hicache_mc/metrics.py)."""
+from __future__ import annotations
+
+from ..metrics import counter, gauge, histogram_family
+
+
+def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
+    fams = []
+    gauges = {"capacity": ("dram_capacity_bytes", "DRAM tier capacity"),
+              "used": ("dram_used_bytes", "DRAM tier bytes in use"),
+              "objects": ("dram_objects", "objects in the DRAM tier"),
+              "ssd_capacity": ("ssd_capacity_bytes", "SSD tier capacity"),
+              "ssd_used": ("ssd_used_bytes", "SSD tier bytes on disk"),
+              "ssd_live": ("ssd_live_bytes", "SSD tier bytes of live records"),
+              "ssd_objects": ("ssd_objects", "objects in the SSD tier"),
+              "objects_total": ("objects", "objects on this node, any tier")}
+    for key, (name, help_) in gauges.items():
+        if key in st:
+            fams.append(gauge(f"hicache_mc_node_{name}", help_, st[key], node=node))
+    counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
+                "read_hits": "keys served", "writes": "objects committed",
+                "bytes_in": "object bytes written",
+                "ssd_demotions": "objects demoted to SSD", "ssd_promotions": "objects staged back into DRAM",
+                "ssd_compactions": "SSD segments compacted", "ssd_evictions": "records evicted from SSD",
+                "ssd_corrupt": "damaged SSD records found (checksum failures)",
+                "ssd_write_errors": "failed SSD writes",
+                "stream_reads": "objects read through the stream port",
+                "stream_writes": "objects written through the stream port",
+                "stream_refused": "stream-port requests refused (bad header or range)",
+                "stream_auth_failed": "stream-port peers refused at the handshake (wrong token)",
+                "stream_auth_timeout": "stream-port peers that did not answer the handshake in time",
+                "stream_shed": "stream-port peers dropped to make room (connection caps)"}
+    for key, help_ in counters.items():
+        if key in st:
+            fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
+    refusals = counter("hicache_mc_node_rejected_total", "error replies to bad requests, per code")
+    for code, n in rejected.items():
+        refusals.add(n, code=code, node=node)
+    fams += [refusals, histogram_family("hicache_mc_node_request_seconds", "request handling time",
+                                        "type", latency)]
+    return fams
