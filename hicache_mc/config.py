@@ -192,6 +192,9 @@ def parse_quotas(text: str) -> dict[str, int]:
         if not sep or not tenant.strip():
             raise ConfigError(f"tenant_quotas: expected tenant=size, got {item!r}")
         out[tenant.strip()] = parse_size(size.strip(), f"tenant_quotas[{tenant.strip()}]")
+    from .limits import MAX_TENANTS
+    if len(out) > MAX_TENANTS:      # what a node's heartbeat reply can carry
+        raise ConfigError(f"tenant_quotas: at most {MAX_TENANTS} tenants, got {len(out)}")
     return out
 
 

@@ -265,6 +265,10 @@ class MasterService(Service):
             return P.ErrorReply("bad_request", str(exc))
         if msg.quota < 0:
             self.quotas.pop(msg.tenant, None)
+        elif msg.tenant not in self.quotas and len(self.quotas) >= P.MAX_TENANTS:
+            # each node learns its shares in a heartbeat reply, which carries at most this many
+            return P.ErrorReply("too_many_quotas", f"{P.MAX_TENANTS} tenants have quotas already; "
+                                "remove one first")
         else:
             self.quotas[msg.tenant] = msg.quota
         log.info("quota of tenant %r: %s", msg.tenant, "none" if msg.quota < 0 else f"{msg.quota} bytes")

@@ -122,3 +122,21 @@ def test_a_quota_holds_under_one_large_batch(cluster):
                 assert time.monotonic() < end, cluster.stats()["tenants"]
                 time.sleep(0.1)
         assert c.batch_contains(polite) == [True] * 4         # never another tenant's
+
+
+def test_quotas_beyond_what_a_heartbeat_reply_carries_are_refused(cluster):
+    """A node learns its quota shares in its heartbeat replies, which carry at most MAX_TENANTS
+    of them: a quota past that is refused, and the node keeps its registration and quotas."""
+    cluster.start_master()
+    cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    for i in range(P.MAX_TENANTS):
+        assert isinstance(request(cluster.master, P.QuotaRequest(f"t{i}", MiB)), P.OkReply), i
+    reply = request(cluster.master, P.QuotaRequest("one-more", MiB))
+    assert isinstance(reply, P.ErrorReply) and reply.code == "too_many_quotas", reply
+    assert isinstance(request(cluster.master, P.QuotaRequest("t0", 2 * MiB)), P.OkReply)  # a change
+    time.sleep(4 * cluster.heartbeat_s)
+    stats = cluster.stats()
+    assert len(stats["nodes"]) == 1 and stats["nodes_expired"] == 0
+    with StoreClient(cluster.master) as c:
+        assert c.put(batch_page_keys(ns("t1"), ["a"], ("k",))[0], b"x" * (2 * MiB)) is False
