@@ -7,8 +7,8 @@ Load it with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra
 try:
     import sglang  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("hicache_mc.sglang needs sglang >= 0.5.23: pip install 'hicache-mc[sglang]' "
-                      "(GPU machines), or see docs/sglang.md for the CPU test install") from exc
+    raise ImportError("hicache_mc.sglang needs sglang >= 0.5.23: pip install '.[sglang]' from a "
+                      "checkout (GPU machines), or see docs/sglang.md for the CPU test install") from exc
 
 from .backend import HiCacheMC
 
