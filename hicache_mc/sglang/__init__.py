@@ -1,8 +1,7 @@
 """SGLang HiCache adapter: the only package that imports sglang.
 
-Load it with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-'{"backend_name":"hicache_mc","module_path":"hicache_mc.sglang","class_name":"HiCacheMC",
-"interface_v1":1,"master":"tcp://127.0.0.1:7370"}'`` (see docs/sglang.md).
+With hicache-mc installed, SGLang loads its plugin (``plugin.py``) and takes
+``--hicache-storage-backend hicache_mc`` (see docs/sglang.md).
 """
 try:
     import sglang  # noqa: F401

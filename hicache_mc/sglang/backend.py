@@ -2,7 +2,7 @@
 
 Lifecycle, as SGLang's controller drives it (see docs/sglang.md):
 
-1. ``HiCacheMC(storage_config, {})`` from ``StorageBackendFactory`` (``dynamic`` backend):
+1. ``HiCacheMC(storage_config, {})`` from ``StorageBackendFactory`` (``hicache_mc`` or ``dynamic``):
    settings from ``storage_config.extra_config``; a bad or unknown key fails start-up.
 2. ``register_mem_pool_host(pool)``: probe the page geometry, fix the key namespace, refuse
    unsupported pools or layouts with a clear error.

@@ -1,38 +1,27 @@
-"""The SGLang embedding store under SGLang's own EmbeddingCacheController, the launcher, and
-embeddings next to KV pages in one small store."""
+"""The SGLang embedding store under SGLang's own EmbeddingCacheController, and embeddings next
+to KV pages in one small store."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 import time
 import types
 
 import pytest
 import torch
-from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.schedule_batch import Modality
 from sglang.srt.mem_cache import embedding_cache_controller as ecc
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory
-from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.runtime_context import get_parallel
 
-from controllers import clear_layout, single_rank_layout
 from procs import Cluster
 from pools import fill_random, make_backend, mha_host, page_bytes, page_hashes, slots
 
 from hicache_mc.embeddings import EmbeddingCache
-from hicache_mc.sglang import HiCacheMC
-from hicache_mc.sglang import launch_server as launcher
+from hicache_mc.sglang import plugin
 from hicache_mc.sglang.embedding_store import HiCacheMCEmbeddingStore
 
 MODEL = "test/vlm"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -41,7 +30,7 @@ def store_env(shared_store, monkeypatch):
     monkeypatch.setenv("HICACHE_MC_MASTER", shared_store.master)
     monkeypatch.setenv("HICACHE_MC_MODEL_NAME", MODEL)
     monkeypatch.setenv("HICACHE_MC_ENCODER_VERSION", f"v{time.monotonic_ns()}")   # fresh namespace
-    launcher.register()
+    plugin.register_backends()
     return shared_store
 
 
@@ -234,77 +223,6 @@ def test_real_controller_shares_embeddings_between_instances(controllers):
     assert not b.has_local_embedding("never-encoded") and "never-encoded" not in b.entries
 
 
-# ---------------------------------------------------------------------- the launcher
-
-SERVER_ARGS = ["--model-path", "/nonexistent/never-loaded", "--enable-hierarchical-cache",
-               "--hicache-storage-backend", "hicache_mc", "--encoder-only",
-               "--enable-mm-global-cache", "--mm-global-cache-backend", "hicache_mc"]
-
-
-def test_launcher_registers_into_sglangs_factories(shared_store, monkeypatch, tmp_path):
-    extra = {"master": shared_store.master, "timeout_s": 2.0, "prefetch_threshold": 64}
-    args = launcher.prepare(SERVER_ARGS + ["--hicache-storage-backend-extra-config", json.dumps(extra)])
-    # the embedding store: by name, from SGLang's factory, as the encoder server asks for it
-    assert args.mm_global_cache_backend == "hicache_mc" and args.enable_mm_global_cache
-    monkeypatch.setenv("HICACHE_MC_MASTER", shared_store.master)
-    monkeypatch.setenv("HICACHE_MC_MODEL_NAME", MODEL)
-    store = EmbeddingStoreFactory.create_backend(args.mm_global_cache_backend)
-    assert type(store) is HiCacheMCEmbeddingStore
-    store.close()
-    # the KV backend: SGLang's parsing of the extra config, its controller, its factory
-    assert args.hicache_storage_backend == "dynamic"
-    parsed, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(
-        args.hicache_storage_backend_extra_config)
-    assert threshold == 64 and parsed["master"] == shared_store.master and parsed["interface_v1"] == 1
-    ctl = kv_controller(args.hicache_storage_backend, parsed)
-    try:
-        assert isinstance(ctl.storage_backend, HiCacheMC)
-        assert ctl.page_get_func == ctl._page_get_zero_copy     # v1, not the generic path
-    finally:
-        ctl.storage_backend.close()
-    # keys the user gives win; an @file config is read too
-    cfg = tmp_path / "kv.toml"
-    cfg.write_text(f'master = "{shared_store.master}"\ninterface_v1 = 0\n')
-    args = launcher.prepare(SERVER_ARGS + ["--hicache-storage-backend-extra-config", f"@{cfg}"])
-    assert json.loads(args.hicache_storage_backend_extra_config) == {
-        **launcher.KV_DYNAMIC, "master": shared_store.master, "interface_v1": 0}
-    # other names are still checked by SGLang's CLI
-    with pytest.raises(SystemExit):
-        launcher.prepare(SERVER_ARGS[:-1] + ["bogus"])
-
-
-def kv_controller(backend: str, extra: dict) -> HiCacheController:
-    """SGLang's base cache controller attaching ``backend`` as the scheduler would."""
-    dev = MHATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=32,
-                           layer_num=2, device="cpu", enable_memory_saver=False,
-                           start_layer=0, end_layer=1)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, 16,
-                                "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=dev.size, start_layer=0, end_layer=1)
-    allocator = PagedTokenToKVPoolAllocator(64, 16, torch.bfloat16, "cpu", dev, need_sort=False)
-    single_rank_layout()
-    try:
-        import threading
-        return HiCacheController(allocator, host, 16, None, threading.Event(),
-                                 write_policy="write_through", io_backend="direct",
-                                 storage_backend=backend, model_name="test/launcher",
-                                 storage_backend_extra_config=extra)
-    finally:
-        clear_layout()
-
-
-def test_launcher_check_in_a_fresh_process():
-    """``python -m hicache_mc.sglang.launch_server --hicache-mc-check``: SGLang's CLI takes the
-    names, and a worker spawned as SGLang spawns its schedulers and encoders sees the registration."""
-    out = subprocess.run([sys.executable, "-m", "hicache_mc.sglang.launch_server",
-                          "--hicache-mc-check", *SERVER_ARGS],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert "KV backend: dynamic" in out.stdout and '"module_path": "hicache_mc.sglang"' in out.stdout
-    want = "'embedding_store': 'hicache_mc.sglang.embedding_store.HiCacheMCEmbeddingStore'"
-    assert f"in a spawned worker: {{{want}}}" in out.stdout, out.stdout
-
-
 # ---------------------------------------------------------------------- eviction next to KV pages
 
 def test_embedding_eviction_keeps_kv_pages_intact(tmp_path, monkeypatch):
@@ -315,7 +233,7 @@ def test_embedding_eviction_keeps_kv_pages_intact(tmp_path, monkeypatch):
     try:
         monkeypatch.setenv("HICACHE_MC_MASTER", small.master)
         monkeypatch.setenv("HICACHE_MC_MODEL_NAME", MODEL)
-        launcher.register()
+        plugin.register_backends()
         host = mha_host("page_first", layers=8, heads=8, head_dim=128, tokens=256)  # 512 KiB pages
         kv = make_backend(host, small.master, timeout_s=5.0)
         emb = new_store()

@@ -1,0 +1,74 @@
+"""hicache-mc as an SGLang plugin: ``--hicache-storage-backend hicache_mc`` and
+``--mm-global-cache-backend hicache_mc`` on plain ``python -m sglang.launch_server`` / ``sglang serve``.
+
+SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group before it parses its
+arguments, in the launching process and again in each scheduler process (``load_plugins``, then
+``HookRegistry.apply_hooks``). hicache-mc declares ``load`` there (pyproject.toml). It registers
+both backends with SGLang's factories and three hooks, each a pass-through for other names:
+
+- ``ServerArgs.add_cli_args``: ``hicache_mc`` joins the choices of both flags (closed lists).
+- ``StorageBackendFactory._create_builtin_backend``: builds ``HiCacheMC(storage_config, {})``;
+  the factory builds registered names from its own closed list and raises for any other.
+- ``HiCacheController.attach_storage_backend``: selects the zero-copy page path
+  (``batch_get_v1`` / ``batch_set_v1``), which SGLang selects by name, or for ``dynamic`` by
+  ``interface_v1``; ``"interface_v1": 0`` in the extra config keeps the generic path.
+
+Settings: the KV backend reads ``--hicache-storage-backend-extra-config`` (JSON or ``@file``,
+parsed by SGLang) over ``HICACHE_MC_*``; the embedding store, which SGLang creates without
+arguments, reads ``HICACHE_MC_*``. ``SGLANG_PLUGINS``, when set, must name ``hicache_mc``.
+"""
+from __future__ import annotations
+
+NAME = "hicache_mc"
+KV_BACKEND = ("hicache_mc.sglang", "HiCacheMC")
+EMBEDDING_STORE = ("hicache_mc.sglang.embedding_store", "HiCacheMCEmbeddingStore")
+CLI_FIELDS = ("hicache_storage_backend", "mm_global_cache_backend")
+HOOKS = ("sglang.srt.server_args.ServerArgs.add_cli_args",
+         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend",
+         "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend")
+_hooks_registered = False
+
+
+def register_backends() -> None:
+    """Both factories know ``hicache_mc`` (idempotent: they warn on every re-registration)."""
+    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    for factory, (module_path, class_name) in ((StorageBackendFactory, KV_BACKEND),
+                                               (EmbeddingStoreFactory, EMBEDDING_STORE)):
+        entry = factory._registry.get(NAME, {})
+        if (entry.get("module_path"), entry.get("class_name")) != (module_path, class_name):
+            factory.register_backend(NAME, module_path, class_name)
+
+
+def load() -> None:
+    """The entry point: both factories, then the hooks (``load_plugins`` applies them)."""
+    global _hooks_registered
+    register_backends()
+    if _hooks_registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy),
+                                  (HookType.AFTER, HookType.AROUND, HookType.AFTER)):
+        HookRegistry.register(target, hook, kind)
+    _hooks_registered = True
+
+
+def _add_choices(_result, parser) -> None:
+    # The choices live in per-field annotations rebuilt on every parse, so they are extended
+    # on the parser SGLang has just built.
+    for action in parser._actions:
+        if action.dest in CLI_FIELDS and action.choices is not None and NAME not in action.choices:
+            action.choices = [*action.choices, NAME]
+
+
+def _create(original, cls, backend_name, backend_class, storage_config, *args, **kwargs):
+    if backend_name == NAME:
+        return backend_class(storage_config, {})
+    return original(cls, backend_name, backend_class, storage_config, *args, **kwargs)
+
+
+def _zero_copy(_result, controller, *args, **kwargs) -> None:
+    extra = getattr(controller.storage_config, "extra_config", None) or {}
+    if controller.storage_backend_type == NAME and bool(extra.get("interface_v1", 1)):
+        controller.page_get_func = controller._page_get_zero_copy
+        controller.page_set_func = controller._page_set_zero_copy
