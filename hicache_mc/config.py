@@ -259,7 +259,10 @@ def _read_file(path: str, section: Optional[str], fields: Mapping[str, Any]) -> 
         if path.endswith(".json"):
             doc = json.loads(data)
         else:
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: the same parser, as the tomli package
+                import tomli as tomllib
             doc = tomllib.loads(data.decode())
     except Exception as exc:
         raise ConfigError(f"config file {path!r}: {exc}") from exc
