@@ -114,6 +114,7 @@ class NodeConfig:
     te_metadata: str = "P2PHANDSHAKE"          # TE metadata service; P2PHANDSHAKE needs none
 
     def __post_init__(self):
+        object.__setattr__(self, "master", master_address(self.master))
         _check_server_token(self.token)
         _check_port(self.port, "port")
         _check_port(self.data_port, "data_port")
@@ -162,6 +163,7 @@ class ClientConfig:
 
     def __post_init__(self):
         from .auth import credential
+        object.__setattr__(self, "master", master_address(self.master))
         try:
             credential(self.token)
         except ValueError as exc:
@@ -175,6 +177,16 @@ class ClientConfig:
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+
+
+def master_address(value: str) -> str:
+    """``tcp://HOST:PORT``, from itself or from ``HOST:PORT`` (Mooncake's form); anything else
+    is a ConfigError: a master address ZeroMQ cannot dial would turn every call into a miss."""
+    text = str(value).strip()
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"master: expected tcp://HOST:PORT or HOST:PORT, got {value!r}")
+    return f"tcp://{host}:{port}"
 
 
 def _check_server_token(token: str) -> None:

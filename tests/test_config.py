@@ -81,3 +81,18 @@ def test_a_token_file_that_is_empty_is_refused(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="is empty"):
         load_config(ClientConfig, token=f"@{empty}")
+
+
+@pytest.mark.parametrize("given", ["127.0.0.1:7370", "tcp://127.0.0.1:7370", " 127.0.0.1:7370 "])
+def test_a_master_is_tcp_host_port_or_host_port(given):
+    for cls, section in ((ClientConfig, "client"), (NodeConfig, "node")):
+        assert load_config(cls, env={}, section=section, master=given).master == "tcp://127.0.0.1:7370"
+    assert load_config(ClientConfig, env={"HICACHE_MC_MASTER": given}).master == "tcp://127.0.0.1:7370"
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", "tcp://127.0.0.1", "127.0.0.1:port", "http://h:1",
+                                 "h:0", "h:70000", ":7370"])
+def test_a_master_that_cannot_be_dialled_is_refused(bad):
+    for cls in (ClientConfig, NodeConfig):
+        with pytest.raises(ConfigError, match="master: expected tcp://HOST:PORT or HOST:PORT"):
+            load_config(cls, env={}, master=bad)
