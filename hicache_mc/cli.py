@@ -1,9 +1,8 @@
-"""``hicache-mc``: serve | master | node | stats | quota | clear | credential | demo."""
+"""``hicache-mc``: serve | master | node | demo here; stats | quota | clear | credential in admin.py."""
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -11,7 +10,8 @@ import sys
 import threading
 from typing import Optional
 
-from .config import DEFAULT_MASTER, ClientConfig, MasterConfig, NodeConfig, load_config
+from .admin import add_commands, token_arg
+from .config import DEFAULT_MASTER, MasterConfig, NodeConfig, load_config
 from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
@@ -19,26 +19,14 @@ SHUTDOWN_GRACE_S = 6    # after SIGTERM/SIGINT: stacks to stderr and exit if sti
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _token(args) -> Optional[str]:
-    """``--token-file`` as the config loader reads it ("@FILE"); None leaves the token to the
-    config file or HICACHE_MC_TOKEN. A secret is never an argument: argv is visible to every
-    user of the host."""
-    return f"@{args.token_file}" if args.token_file else None
-
-
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=_token(args), metrics_port=args.metrics_port)
-
-
-def _client_config(args) -> ClientConfig:
-    return load_config(ClientConfig, file=args.config, section="client", master=args.master,
-                       token=_token(args), timeout_s=args.timeout)
+                       port=args.port, token=token_arg(args), metrics_port=args.metrics_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
-                       host=args.host, port=args.node_port, dram=args.dram, token=_token(args),
+                       host=args.host, port=args.node_port, dram=args.dram, token=token_arg(args),
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
                        te_protocol=args.te_protocol, data_port=args.data_port)
@@ -156,105 +144,9 @@ def cmd_node(args) -> int:
     return 0 if run_services([node]) else 1
 
 
-def _admin(args, msg):
-    """One request to the master; the reply, or None when it does not answer."""
-    import zmq
-    from .errors import HicacheError
-    from .rpc import Channel
-    ctx = zmq.Context()
-    ch = Channel(ctx, args.master, _client_config(args).token)
-    try:
-        return ch.call(msg, args.timeout)
-    except HicacheError as exc:
-        print(f"hicache-mc: {exc}", file=sys.stderr)
-        return None
-    finally:
-        ch.close()
-        ctx.term()
-
-
-def cmd_stats(args) -> int:
-    import time
-    from . import protocol as P
-    while True:
-        reply = _admin(args, P.StatsRequest())
-        if reply is None:
-            print(f"no answer from the master at {args.master}", file=sys.stderr)
-            if not args.watch:
-                return 1
-        elif args.json:
-            print(json.dumps(reply.stats, indent=2, sort_keys=True))
-        else:
-            if args.watch:
-                print("\033[2J\033[H", end="")   # clear the terminal, cursor home
-            print(format_stats(reply.stats))
-        if not args.watch:
-            return 0
-        time.sleep(args.watch)
-
-
-def format_stats(stats: dict) -> str:
-    """The at-a-glance table of ``hicache-mc stats``."""
-    lines = [f"master {stats['epoch']}: {stats['keys']} keys on {len(stats['nodes'])} nodes, "
-             f"DRAM {_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used",
-             f"lookups {stats['hits']} hits / {stats['misses']} misses; placed {stats['placed']}, "
-             f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}, "
-             f"nodes expired {stats['nodes_expired']}", ""]
-    head = (f"{'node':<22}{'objects':>9}{'DRAM MiB':>15}{'SSD MiB':>15}{'evict':>8}{'demote':>8}"
-            f"{'promote':>8}{'compact':>8}{'corrupt':>8}{'age s':>7}")
-    lines.append(head)
-    for n in stats["nodes"]:
-        ssd = f"{_mib(n.get('ssd_used', 0))}/{_mib(n.get('ssd_capacity', 0))}" if n.get("ssd_capacity") else "-"
-        lines.append(f"{n['node_id']:<22}{n.get('objects_total', n.get('objects', 0)):>9}"
-                     f"{_mib(n.get('used', 0)):>7}/{_mib(n['capacity']):<7}{ssd:>15}"
-                     f"{n.get('evictions', 0):>8}{n.get('ssd_demotions', 0):>8}{n.get('ssd_promotions', 0):>8}"
-                     f"{n.get('ssd_compactions', 0):>8}{n.get('ssd_corrupt', 0):>8}{n.get('age_s', 0):>7.1f}")
-    if stats.get("tenants"):
-        lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}"]
-        for t, row in sorted(stats["tenants"].items()):
-            quota = "-" if row["quota"] is None else str(_mib(row["quota"]))
-            lines.append(f"{t or '(none)':<22}{_mib(row['used']):>12}{quota:>12}")
-    return "\n".join(lines)
-
-
-def cmd_quota(args) -> int:
-    from . import protocol as P
-    from .config import parse_size
-    quota = -1 if args.size in ("none", "off") else parse_size(args.size, "size")
-    if _admin(args, P.QuotaRequest(args.tenant, quota)) is None:
-        return 1
-    print(f"tenant {args.tenant}: quota {'removed' if quota < 0 else args.size}")
-    return 0
-
-
-def cmd_clear(args) -> int:
-    from .client import StoreClient
-    with StoreClient(config=_client_config(args)) as c:
-        print(f"removed {c.clear(args.prefix)} objects")
-    return 0
-
-
-def cmd_credential(args) -> int:
-    """Print a credential derived from the cluster token (for clients and administrators)."""
-    from .auth import issue
-    token = load_config(MasterConfig, file=args.config, section="master", token=_token(args)).token
-    if not token:
-        raise ConfigError("token: set one (--token-file, HICACHE_MC_TOKEN or the config file); "
-                          "credentials derive from it")
-    try:
-        print(issue(token, args.role, args.tenant).text())
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return 0
-
-
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(dram=args.dram or "2GiB", requests=args.requests, pages=args.pages)
-
-
-def _mib(n) -> int:
-    return int(n) >> 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,32 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     node_options(s)
     s.set_defaults(fn=cmd_node)
 
-    s = sub.add_parser("stats", help="cluster stats")
-    common(s, master=True)
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
-                   help="refresh every SECONDS (default 2) until Ctrl-C")
-    s.add_argument("--timeout", type=float, default=3.0)
-    s.set_defaults(fn=cmd_stats)
-
-    s = sub.add_parser("quota", help="set or remove a tenant's quota (bytes across the cluster)")
-    common(s, master=True)
-    s.add_argument("tenant")
-    s.add_argument("size", help="e.g. 100GiB, or 'none' to remove the quota")
-    s.add_argument("--timeout", type=float, default=3.0)
-    s.set_defaults(fn=cmd_quota)
-
-    s = sub.add_parser("clear", help="remove keys (all, or those under a prefix)")
-    common(s, master=True)
-    s.add_argument("--prefix", "--namespace", dest="prefix", default="")
-    s.add_argument("--timeout", type=float, default=10.0)
-    s.set_defaults(fn=cmd_clear)
-
-    s = sub.add_parser("credential", help="print a client's or an administrator's credential")
-    common(s)
-    s.add_argument("--role", choices=["client", "admin"], default="client")
-    s.add_argument("--tenant", default="", help="the client's tenant (default: the default tenant)")
-    s.set_defaults(fn=cmd_credential)
+    add_commands(sub, common)
 
     s = sub.add_parser("demo", help="start an embedded store and push a KV-page stream through it")
     s.add_argument("--dram", help="DRAM tier of the embedded node (default 2GiB)")

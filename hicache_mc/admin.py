@@ -1,0 +1,148 @@
+"""The admin commands of ``hicache-mc``: stats | quota | clear | credential, against a running
+master (``cli.py`` runs the processes)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from .config import ClientConfig, MasterConfig, load_config
+from .errors import ConfigError
+
+
+def token_arg(args) -> Optional[str]:
+    """``--token-file`` as the config loader reads it ("@FILE"); None leaves the token to the
+    config file or HICACHE_MC_TOKEN. A secret is never an argument: argv is visible to every
+    user of the host."""
+    return f"@{args.token_file}" if args.token_file else None
+
+
+def client_config(args) -> ClientConfig:
+    return load_config(ClientConfig, file=args.config, section="client", master=args.master,
+                       token=token_arg(args), timeout_s=args.timeout)
+
+
+def _admin(args, msg):
+    """One request to the master; the reply, or None when it does not answer."""
+    import zmq
+    from .errors import HicacheError
+    from .rpc import Channel
+    ctx = zmq.Context()
+    ch = Channel(ctx, args.master, client_config(args).token)
+    try:
+        return ch.call(msg, args.timeout)
+    except HicacheError as exc:
+        print(f"hicache-mc: {exc}", file=sys.stderr)
+        return None
+    finally:
+        ch.close()
+        ctx.term()
+
+
+def cmd_stats(args) -> int:
+    import time
+    from . import protocol as P
+    while True:
+        reply = _admin(args, P.StatsRequest())
+        if reply is None:
+            print(f"no answer from the master at {args.master}", file=sys.stderr)
+            if not args.watch:
+                return 1
+        elif args.json:
+            print(json.dumps(reply.stats, indent=2, sort_keys=True))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")   # clear the terminal, cursor home
+            print(format_stats(reply.stats))
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def format_stats(stats: dict) -> str:
+    """The at-a-glance table of ``hicache-mc stats``."""
+    lines = [f"master {stats['epoch']}: {stats['keys']} keys on {len(stats['nodes'])} nodes, "
+             f"DRAM {_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used",
+             f"lookups {stats['hits']} hits / {stats['misses']} misses; placed {stats['placed']}, "
+             f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}, "
+             f"nodes expired {stats['nodes_expired']}", ""]
+    head = (f"{'node':<22}{'objects':>9}{'DRAM MiB':>15}{'SSD MiB':>15}{'evict':>8}{'demote':>8}"
+            f"{'promote':>8}{'compact':>8}{'corrupt':>8}{'age s':>7}")
+    lines.append(head)
+    for n in stats["nodes"]:
+        ssd = f"{_mib(n.get('ssd_used', 0))}/{_mib(n.get('ssd_capacity', 0))}" if n.get("ssd_capacity") else "-"
+        lines.append(f"{n['node_id']:<22}{n.get('objects_total', n.get('objects', 0)):>9}"
+                     f"{_mib(n.get('used', 0)):>7}/{_mib(n['capacity']):<7}{ssd:>15}"
+                     f"{n.get('evictions', 0):>8}{n.get('ssd_demotions', 0):>8}{n.get('ssd_promotions', 0):>8}"
+                     f"{n.get('ssd_compactions', 0):>8}{n.get('ssd_corrupt', 0):>8}{n.get('age_s', 0):>7.1f}")
+    if stats.get("tenants"):
+        lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}"]
+        for t, row in sorted(stats["tenants"].items()):
+            quota = "-" if row["quota"] is None else str(_mib(row["quota"]))
+            lines.append(f"{t or '(none)':<22}{_mib(row['used']):>12}{quota:>12}")
+    return "\n".join(lines)
+
+
+def cmd_quota(args) -> int:
+    from . import protocol as P
+    from .config import parse_size
+    quota = -1 if args.size in ("none", "off") else parse_size(args.size, "size")
+    if _admin(args, P.QuotaRequest(args.tenant, quota)) is None:
+        return 1
+    print(f"tenant {args.tenant}: quota {'removed' if quota < 0 else args.size}")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from .client import StoreClient
+    with StoreClient(config=client_config(args)) as c:
+        print(f"removed {c.clear(args.prefix)} objects")
+    return 0
+
+
+def cmd_credential(args) -> int:
+    """Print a credential derived from the cluster token (for clients and administrators)."""
+    from .auth import issue
+    token = load_config(MasterConfig, file=args.config, section="master", token=token_arg(args)).token
+    if not token:
+        raise ConfigError("token: set one (--token-file, HICACHE_MC_TOKEN or the config file); "
+                          "credentials derive from it")
+    try:
+        print(issue(token, args.role, args.tenant).text())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def _mib(n) -> int:
+    return int(n) >> 20
+
+
+def add_commands(sub, common) -> None:
+    """The admin subcommands of the ``hicache-mc`` parser."""
+    s = sub.add_parser("stats", help="cluster stats")
+    common(s, master=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    s.add_argument("--timeout", type=float, default=3.0)
+    s.set_defaults(fn=cmd_stats)
+
+    s = sub.add_parser("quota", help="set or remove a tenant's quota (bytes across the cluster)")
+    common(s, master=True)
+    s.add_argument("tenant")
+    s.add_argument("size", help="e.g. 100GiB, or 'none' to remove the quota")
+    s.add_argument("--timeout", type=float, default=3.0)
+    s.set_defaults(fn=cmd_quota)
+
+    s = sub.add_parser("clear", help="remove keys (all, or those under a prefix)")
+    common(s, master=True)
+    s.add_argument("--prefix", "--namespace", dest="prefix", default="")
+    s.add_argument("--timeout", type=float, default=10.0)
+    s.set_defaults(fn=cmd_clear)
+
+    s = sub.add_parser("credential", help="print a client's or an administrator's credential")
+    common(s)
+    s.add_argument("--role", choices=["client", "admin"], default="client")
+    s.add_argument("--tenant", default="", help="the client's tenant (default: the default tenant)")
+    s.set_defaults(fn=cmd_credential)
