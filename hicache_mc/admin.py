@@ -22,18 +22,23 @@ def client_config(args) -> ClientConfig:
                        token=token_arg(args), timeout_s=args.timeout)
 
 
-def _admin(args, msg):
-    """One request to the master; the reply, or None when it does not answer."""
+def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: str = "the master"):
+    """One request to the master (or the node at ``address``); its reply, or a HicacheError
+    whose text is the one line the CLI prints."""
     import zmq
-    from .errors import HicacheError
+    from .errors import HicacheError, StoreUnavailable
     from .rpc import Channel
+    address = address or config.master
     ctx = zmq.Context()
-    ch = Channel(ctx, args.master, client_config(args).token)
+    ch = Channel(ctx, address, config.token)
     try:
-        return ch.call(msg, args.timeout)
+        return ch.call(msg, timeout_s)
+    except StoreUnavailable as exc:
+        why = str(exc).removeprefix(f"{address}: ")
+        hint = " (is it running? --master, HICACHE_MC_MASTER)" if what == "the master" else ""
+        raise StoreUnavailable(f"no answer from {what} at {address}: {why}{hint}") from None
     except HicacheError as exc:
-        print(f"hicache-mc: {exc}", file=sys.stderr)
-        return None
+        raise HicacheError(f"{what} at {address} refused the request: {exc}") from None
     finally:
         ch.close()
         ctx.term()
@@ -42,18 +47,22 @@ def _admin(args, msg):
 def cmd_stats(args) -> int:
     import time
     from . import protocol as P
+    from .errors import HicacheError
+    config = client_config(args)
     while True:
-        reply = _admin(args, P.StatsRequest())
-        if reply is None:
-            print(f"no answer from the master at {args.master}", file=sys.stderr)
+        try:
+            stats = call(config, P.StatsRequest(), args.timeout).stats
+        except HicacheError as exc:
             if not args.watch:
-                return 1
-        elif args.json:
-            print(json.dumps(reply.stats, indent=2, sort_keys=True))
+                raise
+            print(f"hicache-mc: {exc}", file=sys.stderr)
         else:
-            if args.watch:
-                print("\033[2J\033[H", end="")   # clear the terminal, cursor home
-            print(format_stats(reply.stats))
+            if args.json:
+                print(json.dumps(stats, indent=2, sort_keys=True))
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")   # clear the terminal, cursor home
+                print(format_stats(stats))
         if not args.watch:
             return 0
         time.sleep(args.watch)
@@ -87,16 +96,24 @@ def cmd_quota(args) -> int:
     from . import protocol as P
     from .config import parse_size
     quota = -1 if args.size in ("none", "off") else parse_size(args.size, "size")
-    if _admin(args, P.QuotaRequest(args.tenant, quota)) is None:
-        return 1
+    call(client_config(args), P.QuotaRequest(args.tenant, quota), args.timeout)
     print(f"tenant {args.tenant}: quota {'removed' if quota < 0 else args.size}")
     return 0
 
 
 def cmd_clear(args) -> int:
-    from .client import StoreClient
-    with StoreClient(config=client_config(args)) as c:
-        print(f"removed {c.clear(args.prefix)} objects")
+    """Remove the keys under ``--prefix`` from every node (all of them only with ``--yes``)."""
+    from . import protocol as P
+    if not args.prefix and not args.yes:
+        print("hicache-mc: clear without --prefix removes every key in the store (every key of "
+              "your tenant, with a client credential); add --yes to do that", file=sys.stderr)
+        return 2
+    config = client_config(args)
+    removed = 0
+    for node in call(config, P.StatsRequest(), args.timeout).stats["nodes"]:
+        removed += call(config, P.ClearRequest(args.prefix), args.timeout, node["address"],
+                        f"node {node['node_id']}").removed
+    print(f"removed {removed} objects")
     return 0
 
 
@@ -137,7 +154,9 @@ def add_commands(sub, common) -> None:
 
     s = sub.add_parser("clear", help="remove keys (all, or those under a prefix)")
     common(s, master=True)
-    s.add_argument("--prefix", "--namespace", dest="prefix", default="")
+    s.add_argument("--prefix", "--namespace", dest="prefix", default="",
+                   help="remove the keys that start with this (e.g. a namespace and '/')")
+    s.add_argument("--yes", action="store_true", help="confirm a clear without --prefix: every key")
     s.add_argument("--timeout", type=float, default=10.0)
     s.set_defaults(fn=cmd_clear)
 

@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from .admin import add_commands, token_arg
-from .config import DEFAULT_MASTER, MasterConfig, NodeConfig, load_config
+from .config import MasterConfig, NodeConfig, load_config
 from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
@@ -155,12 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp, master=False):
-        sp.add_argument("--config", help="TOML or JSON config file ([master] / [node] sections)")
+        sp.add_argument("--config", help="TOML or JSON config file ([master], [node], [client] sections)")
         sp.add_argument("--token-file", metavar="FILE",
                         help="a file holding the cluster token or a credential (else HICACHE_MC_TOKEN "
                              "or the config file's token)")
         if master:
-            sp.add_argument("--master", default=DEFAULT_MASTER, help="master address")
+            sp.add_argument("--master", help="the master, tcp://HOST:PORT or HOST:PORT (default: "
+                            "HICACHE_MC_MASTER, else the config file, else tcp://127.0.0.1:7370)")
 
     s = sub.add_parser("serve", help="master + one node on this host, from one command")
     common(s)

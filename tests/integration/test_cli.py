@@ -1,0 +1,91 @@
+"""The client commands of ``hicache-mc`` (stats, quota, clear) against a real store with a
+token: one configuration for all of them, confirmation before a full clear, and one clear line
+with a non-zero exit when something is wrong."""
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from hicache_mc.client import StoreClient
+from procs import Cluster, free_port
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    """``hicache-mc ARGS`` with none of this process's HICACHE_MC_* settings, plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
+    return subprocess.run([sys.executable, "-m", "hicache_mc.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**base, **(env or {})})
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    """The error a command printed: exactly one line on stderr, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A ``serve`` with a cluster token; ``.token_file`` holds it, ``.cred_file`` a client
+    credential of the default tenant."""
+    tmp = tmp_path_factory.mktemp("cli")
+    token = secrets.token_hex(16)
+    c = Cluster(tmp, token=token)
+    c.token_file = tmp / "token"
+    c.token_file.write_text(token + "\n")
+    c.start_serve("64MiB")
+    r = cli("credential", "--token-file", str(c.token_file))
+    assert r.returncode == 0, r.stderr
+    c.cred_file = tmp / "client.cred"
+    c.cred_file.write_text(r.stdout)
+    yield c
+    c.stop()
+
+
+def test_client_commands_read_the_master_and_the_token_from_env_or_config_file(secured, tmp_path):
+    host_port = secured.master.removeprefix("tcp://")           # Mooncake's habit
+    r = cli("stats", env={"HICACHE_MC_MASTER": host_port, "HICACHE_MC_TOKEN": f"@{secured.cred_file}"})
+    assert r.returncode == 0, r.stderr
+    assert "on 1 nodes" in r.stdout
+    conf = tmp_path / "client.toml"
+    conf.write_text(f'[client]\nmaster = "{host_port}"\ntoken = "@{secured.token_file}"\n')
+    assert cli("stats", "--json", "--config", str(conf)).returncode == 0
+    r = cli("quota", "--master", host_port, "--token-file", str(secured.token_file), "teamx", "1MiB")
+    assert r.returncode == 0 and "teamx" in r.stdout, r.stderr
+    # a client credential may not set quotas: refused, in one line
+    r = cli("quota", "teamx", "none", env={"HICACHE_MC_MASTER": host_port,
+                                           "HICACHE_MC_TOKEN": f"@{secured.cred_file}"})
+    assert r.returncode == 1 and "refused" in one_line(r)
+
+
+def test_clear_without_a_prefix_asks_for_yes_and_removes_nothing(secured):
+    keys = [f"cli-clear/{i}" for i in range(3)]
+    with StoreClient(secured.master, token=secured.token) as c:
+        assert all(c.put(k, b"x" * 100) for k in keys)
+        env = {"HICACHE_MC_MASTER": secured.master, "HICACHE_MC_TOKEN": f"@{secured.token_file}"}
+        r = cli("clear", env=env)
+        assert r.returncode == 2 and "--yes" in one_line(r)
+        assert c.batch_exists(keys) == 3
+        r = cli("clear", "--prefix", "cli-clear/1", env=env)
+        assert r.returncode == 0 and "removed 1 objects" in r.stdout, r.stderr
+        r = cli("clear", "--yes", env=env)
+        assert r.returncode == 0 and "removed 2 objects" in r.stdout, r.stderr
+        assert c.batch_contains(keys) == [False] * 3
+
+
+@pytest.mark.parametrize("args", [("stats",), ("stats", "--json"), ("clear", "--yes"),
+                                  ("clear", "--prefix", "a/"), ("quota", "t", "1MiB")])
+def test_client_commands_fail_in_one_line_when_no_master_answers(args):
+    r = cli(*args, "--master", f"127.0.0.1:{free_port()}")
+    assert r.returncode == 1, r.stdout
+    assert one_line(r).startswith("hicache-mc: no answer from the master at tcp://127.0.0.1:")
+    assert r.stdout == ""
+
+
+def test_a_master_address_that_cannot_be_dialled_is_refused_in_one_line():
+    r = cli("stats", "--master", "127.0.0.1")
+    assert r.returncode == 2 and "tcp://HOST:PORT or HOST:PORT" in one_line(r)
+    r = cli("stats", env={"HICACHE_MC_MASTER": "tcp://127.0.0.1"})
+    assert r.returncode == 2 and "master" in one_line(r)
