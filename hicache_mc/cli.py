@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import logging
 import os
@@ -104,7 +105,9 @@ def cmd_serve(args) -> int:
     node.start()
     log.info("hicache-mc serving: master %s, node process %d (%d MiB DRAM)",
              master.address, node.pid, ncfg.dram >> 20)
-    return 0 if run_services([master], [node]) else 1
+    if run_services([master], [node]):
+        return 0
+    return 2 if node.exitcode == 2 else 1      # 2: the node's port is in use
 
 
 def serve_node(config: NodeConfig, level: int, parent: int) -> None:
@@ -114,9 +117,11 @@ def serve_node(config: NodeConfig, level: int, parent: int) -> None:
     from .node.service import StorageNode
     try:
         node = StorageNode(config)
-    except (HicacheError, OSError) as exc:
-        log.error("the node could not start: %s", exc)
-        sys.exit(1)
+    except Exception as exc:
+        if not isinstance(exc, (HicacheError, OSError)) and not in_use(exc):
+            raise
+        log.error("the node could not start: %s", in_use(exc) or exc)
+        sys.exit(2 if in_use(exc) else 1)
     log.info("node %s on %s, segment %s", node.node_id, node.address, node.info.shm_path)
     sys.exit(0 if run_services([node]) else 1)
 
@@ -209,6 +214,20 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not in_use(exc):
+            raise
+        print(f"hicache-mc: {in_use(exc)}", file=sys.stderr)
+        return 2
+
+
+def in_use(exc: BaseException) -> Optional[str]:
+    """The one line for a port that another process holds (ZeroMQ or a plain socket), or None
+    for any other error."""
+    if getattr(exc, "errno", None) != errno.EADDRINUSE:
+        return None
+    return (f"cannot listen: {exc}; another process (another hicache-mc?) holds that port: stop "
+            "it or choose another (--port, --node-port, --data-port, --metrics-port)")
 
 
 if __name__ == "__main__":

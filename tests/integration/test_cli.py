@@ -3,6 +3,7 @@ token: one configuration for all of them, confirmation before a full clear, and 
 with a non-zero exit when something is wrong."""
 import os
 import secrets
+import socket
 import subprocess
 import sys
 
@@ -89,3 +90,30 @@ def test_a_master_address_that_cannot_be_dialled_is_refused_in_one_line():
     assert r.returncode == 2 and "tcp://HOST:PORT or HOST:PORT" in one_line(r)
     r = cli("stats", env={"HICACHE_MC_MASTER": "tcp://127.0.0.1"})
     assert r.returncode == 2 and "master" in one_line(r)
+
+
+@pytest.fixture
+def taken():
+    """A port some other process (here: this one) listens on."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        yield str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("args", [("master", "--port", "{taken}"),
+                                  ("master", "--port", "{free}", "--metrics-port", "{taken}"),
+                                  ("node", "--node-port", "{taken}", "--dram", "16MiB"),
+                                  ("node", "--data-port", "{taken}", "--dram", "16MiB"),
+                                  ("serve", "--port", "{taken}", "--dram", "16MiB")])
+def test_a_port_in_use_is_one_line_and_exit_2(taken, args):
+    r = cli(*[a.format(taken=taken, free=free_port()) for a in args],
+            env={"HICACHE_MC_MASTER": f"127.0.0.1:{free_port()}"})     # (the nodes' master)
+    assert r.returncode == 2
+    assert "address already in use" in one_line(r).lower() and taken in r.stderr
+
+
+def test_serve_whose_node_port_is_in_use_exits_2_naming_it(taken):
+    r = cli("serve", "--port", str(free_port()), "--node-port", taken, "--dram", "16MiB")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert any("the node could not start: cannot listen" in line and taken in line
+               for line in r.stderr.splitlines()), r.stderr
