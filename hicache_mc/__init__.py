@@ -1,6 +1,6 @@
 """hicache-mc: an L3 KV-cache store for SGLang's hierarchical cache."""
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"     # the one place; pyproject.toml reads it
 
 __all__ = ["EmbeddingCache"]
 

@@ -70,7 +70,7 @@ def cmd_stats(args) -> int:
 
 def format_stats(stats: dict) -> str:
     """The at-a-glance table of ``hicache-mc stats``."""
-    lines = [f"master {stats['epoch']}: {stats['keys']} keys on {len(stats['nodes'])} nodes, "
+    lines = [f"master {stats['epoch']} (hicache-mc {stats.get('version', '?')}): {stats['keys']} keys on {len(stats['nodes'])} nodes, "
              f"DRAM {_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used",
              f"lookups {stats['hits']} hits / {stats['misses']} misses; placed {stats['placed']}, "
              f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}, "

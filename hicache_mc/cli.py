@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Optional
 
+from . import __version__
 from .admin import add_commands, token_arg
 from .config import MasterConfig, NodeConfig, load_config
 from .errors import ConfigError, HicacheError
@@ -157,6 +158,7 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"hicache-mc {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp, master=False):

@@ -30,11 +30,11 @@ from typing import Callable, Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import protocol as P
+from . import __version__, protocol as P
 from .auth import Principal, Guard, credential, secure_client
 from .errors import ProtocolError, StoreUnavailable
 from .keys import foreign_key
-from .metrics import Histogram, MetricsServer, render
+from .metrics import Histogram, MetricsServer, gauge, render
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class Service:
                 self.tick(now)
                 if self._metrics is not None and now >= self._next_publish:
                     self._next_publish = now + 1.0
-                    self._metrics_text = render(self.metric_families())
+                    self._metrics_text = render([gauge("hicache_mc_build_info", "version of this process",
+                                                       1, version=__version__), *self.metric_families()])
             except zmq.ContextTerminated:
                 break
             except Exception:  # a bug in one request must not stop the service

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 
-from .. import protocol as P
+from .. import __version__, protocol as P
 from ..config import MasterConfig
 from ..metrics import counter, gauge, histogram_family
 from ..rpc import Service
@@ -225,7 +225,7 @@ class MasterService(Service):
         if self.peer.role != "admin":   # a client sees the nodes and its own tenant's figures
             tenants = {t: v for t, v in tenants.items() if t == self.peer.tenant}
             nodes = [{k: v for k, v in n.items() if k != "tenants"} for n in nodes]
-        stats = {"epoch": self.epoch, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
+        stats = {"epoch": self.epoch, "version": __version__, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
                  **self.counters}

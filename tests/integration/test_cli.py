@@ -1,6 +1,7 @@
 """The client commands of ``hicache-mc`` (stats, quota, clear) against a real store with a
 token: one configuration for all of them, confirmation before a full clear, and one clear line
 with a non-zero exit when something is wrong."""
+import json
 import os
 import secrets
 import socket
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+import hicache_mc
 from hicache_mc.client import StoreClient
 from procs import Cluster, free_port
 
@@ -49,10 +51,11 @@ def test_client_commands_read_the_master_and_the_token_from_env_or_config_file(s
     host_port = secured.master.removeprefix("tcp://")           # Mooncake's habit
     r = cli("stats", env={"HICACHE_MC_MASTER": host_port, "HICACHE_MC_TOKEN": f"@{secured.cred_file}"})
     assert r.returncode == 0, r.stderr
-    assert "on 1 nodes" in r.stdout
+    assert "on 1 nodes" in r.stdout and f"(hicache-mc {hicache_mc.__version__})" in r.stdout
     conf = tmp_path / "client.toml"
     conf.write_text(f'[client]\nmaster = "{host_port}"\ntoken = "@{secured.token_file}"\n')
-    assert cli("stats", "--json", "--config", str(conf)).returncode == 0
+    r = cli("stats", "--json", "--config", str(conf))
+    assert r.returncode == 0 and json.loads(r.stdout)["version"] == hicache_mc.__version__
     r = cli("quota", "--master", host_port, "--token-file", str(secured.token_file), "teamx", "1MiB")
     assert r.returncode == 0 and "teamx" in r.stdout, r.stderr
     # a client credential may not set quotas: refused, in one line
@@ -117,3 +120,12 @@ def test_serve_whose_node_port_is_in_use_exits_2_naming_it(taken):
     assert "Traceback" not in r.stderr
     assert any("the node could not start: cannot listen" in line and taken in line
                for line in r.stderr.splitlines()), r.stderr
+
+
+def test_the_version_has_one_source():
+    from setuptools.config.pyprojecttoml import read_configuration
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    assert read_configuration(os.path.join(root, "pyproject.toml"))["project"]["version"] == \
+        hicache_mc.__version__
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"hicache-mc {hicache_mc.__version__}"
