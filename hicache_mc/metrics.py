@@ -1,4 +1,5 @@
-"""Prometheus text exposition for the master and the nodes, without extra dependencies.
+"""Prometheus text exposition for the master and the nodes, without extra dependencies; the
+same port answers the health (``/health``) and readiness (``/ready``) probes.
 
 A service builds its metric families on its own loop thread (``Service.metric_families``,
 once a second) and the HTTP thread serves the last snapshot, so scraping never touches the
@@ -113,7 +114,7 @@ REPLY_S = 10.0            # to take the whole reply (a few KiB to a few hundred)
 CONNECTIONS_MAX = 64      # Prometheus keeps one or two; a newcomer sheds the oldest past this
 ACCEPT_BATCH = 16         # accepts per turn of the loop: peers already in are served between bursts
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error"}
+            500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class _Peer:
@@ -125,12 +126,14 @@ class _Peer:
 
 
 class MetricsServer:
-    """``GET /metrics`` serving what ``source()`` returns (text), anything else 404; every
-    reply closes its connection. One thread runs a selectors loop over all connections: an
-    idle or slow peer costs a slot and 8 KiB until its deadline, never a thread."""
+    """``GET /metrics`` serving what ``source()`` returns (text); ``/health``: 200 while the
+    process serves; ``/ready``: 200, or 503 with the reason ``ready()`` gives; anything else
+    404. Every reply closes its connection. One thread runs a selectors loop over all
+    connections: an idle or slow peer costs a slot and 8 KiB until its deadline, never a thread."""
 
-    def __init__(self, host: str, port: int, source: Callable[[], str]):
-        self.source = source
+    def __init__(self, host: str, port: int, source: Callable[[], str],
+                 ready: Callable[[], tuple[bool, str]] = lambda: (True, "")):
+        self.source, self.ready = source, ready
         self.listener = socket.create_server((host, port), backlog=1024)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -214,9 +217,15 @@ class MetricsServer:
         parts = head.split(b"\r\n", 1)[0].split(b" ")
         if len(parts) != 3:
             return 400, "bad request line\n"
-        if parts[0] != b"GET" or parts[1].split(b"?", 1)[0] != b"/metrics":
-            return 404, "only GET /metrics is served here\n"
+        path = parts[1].split(b"?", 1)[0]
+        if parts[0] != b"GET" or path not in (b"/metrics", b"/health", b"/ready"):
+            return 404, "only GET /metrics, /health and /ready are served here\n"
+        if path == b"/health":
+            return 200, "ok\n"
         try:
+            if path == b"/ready":
+                ok, why = self.ready()
+                return (200, "ready\n") if ok else (503, f"not ready: {why}\n")
             return 200, self.source()
         except Exception:
             log.exception("metrics: the source failed")

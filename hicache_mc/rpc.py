@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # at most DRAIN_BYTES of them held at once (a MAX_KEYS lookup is ~11 MiB).
 DRAIN = 256
 DRAIN_BYTES = 32 << 20
+READY_STALE_S = 10.0    # /ready fails when the loop has not said it is ready for this long
 
 # Monitor events that end a connection, or show that none can be made now.
 _DOWN = {zmq.EVENT_DISCONNECTED: "connection lost", zmq.EVENT_CLOSED: "connection refused or closed",
@@ -89,6 +90,7 @@ class Service:
         self._poller: Optional[zmq.Poller] = None
         self._metrics: Optional[MetricsServer] = None
         self._metrics_text = ""
+        self._ready = (False, "starting", time.monotonic())     # (ready, why not, when): /ready
         self._next_publish = 0.0
         self._quiet: dict[str, float] = {}
         self.peer = Principal("admin")      # who sent the request being handled
@@ -99,7 +101,18 @@ class Service:
     def enable_metrics(self, host: str, port: int) -> None:
         """Serve Prometheus metrics on http://host:port/metrics (port 0 = off)."""
         if port:
-            self._metrics = MetricsServer(host, port, lambda: self._metrics_text)
+            self._metrics = MetricsServer(host, port, lambda: self._metrics_text, self._ready_now)
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the service does its job now, and why not (the metrics port's /ready);
+        asked on the loop thread once a second."""
+        return True, ""
+
+    def _ready_now(self) -> tuple[bool, str]:
+        ok, why, at = self._ready
+        if time.monotonic() - at > READY_STALE_S:
+            return False, f"the {self.name}'s loop has not turned for {READY_STALE_S:.0f} s"
+        return ok, why
 
     def metric_families(self) -> list:
         """The service's metric families (built on the loop thread); see hicache_mc/metrics.py."""
@@ -135,6 +148,7 @@ class Service:
                     self._next_publish = now + 1.0
                     self._metrics_text = render([gauge("hicache_mc_build_info", "version of this process",
                                                        1, version=__version__), *self.metric_families()])
+                    self._ready = (*self.readiness(), now)
             except zmq.ContextTerminated:
                 break
             except Exception:  # a bug in one request must not stop the service

@@ -35,6 +35,21 @@ def test_metrics_are_served(server):
     assert get(server.port, "/metrics?x=1")[0] == 200
 
 
+def test_health_is_200_and_ready_follows_the_service():
+    state = [(False, "no live storage node")]
+    srv = MetricsServer("127.0.0.1", 0, lambda: TEXT, lambda: state[0])
+    try:
+        assert get(srv.port, "/health")[0] == 200
+        assert get(srv.port, "/ready")[0] == 503
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/ready", timeout=5)
+        assert err.value.read().decode() == "not ready: no live storage node\n"
+        state[0] = (True, "")
+        assert get(srv.port, "/ready")[0] == 200
+    finally:
+        srv.close()
+
+
 def test_an_unknown_path_is_404(server):
     assert get(server.port, "/")[0] == 404
     assert get(server.port, "/metricsx")[0] == 404

@@ -316,6 +316,9 @@ class MasterService(Service):
 
     # -------------------------------------------------------------- metrics
 
+    def readiness(self) -> tuple[bool, str]:
+        return bool(self.registry.nodes), "no live storage node"
+
     def metric_families(self) -> list:
         now = time.monotonic()
         nodes = list(self.registry.nodes.values())

@@ -367,6 +367,9 @@ class StorageNode(Service):
     def metric_families(self) -> list:
         return node_families(self.node_id, self.stats(), self.rejected, self.latency)
 
+    def readiness(self) -> tuple[bool, str]:
+        return self.epoch is not None, f"not registered with the master at {self.config.master}"
+
     def on_NodeStatsRequest(self, msg, ident, req_id):
         return P.StatsReply({"node_id": self.node_id, **self.stats()})
 
