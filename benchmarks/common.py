@@ -28,17 +28,12 @@ def store_process(dram: str = "2GiB", extra_env: dict | None = None):
     p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
                           "--dram", dram], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     master = f"tcp://127.0.0.1:{port}"
-    from hicache_mc.client import StoreClient
-    with StoreClient(master, timeout_s=30) as c:
-        end = time.time() + 60
-        while time.time() < end:
-            st = c.stats()["cluster"]
-            if st and st["nodes"]:
-                break
-            time.sleep(0.1)
-        else:
-            p.kill()
-            raise RuntimeError("store did not start: " + p.stderr.read().decode()[-2000:])
+    wait = subprocess.run([sys.executable, "-m", "hicache_mc.cli", "wait", "--master", master,
+                           "--timeout", "300"], env=env, capture_output=True, text=True)
+    if wait.returncode:
+        p.kill()
+        raise RuntimeError(f"store did not start: {wait.stderr.strip()}\n"
+                           + p.stderr.read().decode()[-2000:])
     try:
         yield master
     finally:

@@ -85,12 +85,9 @@ def run_store():
     proc = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
                              "--dram", "256MiB"])
     master = f"tcp://127.0.0.1:{port}"
-    from hicache_mc.client import StoreClient
-    with StoreClient(master=master, timeout_s=2) as c:
-        for _ in range(100):
-            if (c.stats().get("cluster") or {}).get("nodes"):
-                return proc, master
-            time.sleep(0.1)
+    if subprocess.call([sys.executable, "-m", "hicache_mc.cli", "wait", "--master", master,
+                        "--timeout", "300"]) == 0:
+        return proc, master
     proc.kill()
     raise SystemExit("the store did not start")
 

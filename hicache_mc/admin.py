@@ -1,13 +1,18 @@
-"""The admin commands of ``hicache-mc``: stats | quota | clear | credential, against a running
-master (``cli.py`` runs the processes)."""
+"""The admin commands of ``hicache-mc``: stats | quota | clear | wait | credential, against a
+running master (``cli.py`` runs the processes)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import threading
+import time
 from typing import Optional
 
 from .config import ClientConfig, MasterConfig, load_config
-from .errors import ConfigError
+from .errors import ConfigError, HicacheError
+
+PROBE_NAMESPACE = "hicache-mc-probe"    # wait's probe objects (removed once written)
 
 
 def token_arg(args) -> Optional[str]:
@@ -19,7 +24,7 @@ def token_arg(args) -> Optional[str]:
 
 def client_config(args) -> ClientConfig:
     return load_config(ClientConfig, file=args.config, section="client", master=args.master,
-                       token=token_arg(args), timeout_s=args.timeout)
+                       token=token_arg(args), timeout_s=getattr(args, "timeout", None))
 
 
 def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: str = "the master"):
@@ -45,9 +50,7 @@ def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: s
 
 
 def cmd_stats(args) -> int:
-    import time
     from . import protocol as P
-    from .errors import HicacheError
     config = client_config(args)
     while True:
         try:
@@ -117,6 +120,60 @@ def cmd_clear(args) -> int:
     return 0
 
 
+def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, probe: bool = True,
+               stop: Optional[threading.Event] = None) -> tuple[bool, str]:
+    """Ask the master until it lists at least ``nodes`` live nodes and, with ``probe``, a put of a
+    probe object (over ``tcp``, then removed) succeeds: (True, what is up), or (False, why not)
+    once ``timeout_s`` has passed or ``stop`` is set."""
+    from . import protocol as P
+    end, why, client, stop = time.monotonic() + timeout_s, "", None, stop or threading.Event()
+    try:
+        while True:
+            try:
+                stats = call(config, P.StatsRequest(), min(config.timeout_s, 2.0)).stats
+                ids = [n["node_id"] for n in stats["nodes"]]
+                if len(ids) < nodes:
+                    why = f"{len(ids)} of {nodes} storage nodes live"
+                else:
+                    if probe and client is None:
+                        from .client import StoreClient
+                        client = StoreClient(config=dataclasses.replace(config, transport="tcp",
+                                                                        circuit_open_s=0))
+                    if not probe or _probe(client):
+                        return True, (f"master {config.master} (hicache-mc {stats.get('version', '?')}), "
+                                      f"{len(ids)} nodes live ({', '.join(ids)})"
+                                      + (", a probe put succeeded" if probe else ""))
+                    why = f"{len(ids)} nodes live, but a probe put failed (see the nodes' logs)"
+            except HicacheError as exc:
+                why = str(exc)
+            if time.monotonic() >= end or stop.wait(0.25):
+                return False, why
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _probe(client) -> bool:
+    """Put one small object in the probe namespace (of the credential's tenant), then remove it."""
+    import uuid
+    from .auth import tenant_for
+    from .keys import with_tenant
+    key = f"{with_tenant(PROBE_NAMESPACE, tenant_for(client.config.token, ''))}/{uuid.uuid4().hex}"
+    if not client.put(key, b"hicache-mc wait"):
+        return False
+    client.clear(key)
+    return True
+
+
+def cmd_wait(args) -> int:
+    ok, what = wait_ready(client_config(args), args.nodes, args.wait_s)
+    if not ok:
+        print(f"hicache-mc: not ready after {args.wait_s:g} s: {what}", file=sys.stderr)
+        return 1
+    print(f"ready: {what}")
+    return 0
+
+
 def cmd_credential(args) -> int:
     """Print a credential derived from the cluster token (for clients and administrators)."""
     from .auth import issue
@@ -159,6 +216,13 @@ def add_commands(sub, common) -> None:
     s.add_argument("--yes", action="store_true", help="confirm a clear without --prefix: every key")
     s.add_argument("--timeout", type=float, default=10.0)
     s.set_defaults(fn=cmd_clear)
+
+    s = sub.add_parser("wait", help="wait until the store accepts writes (exit 0), or time out (exit 1)")
+    common(s, master=True)
+    s.add_argument("--nodes", type=int, default=1, help="live storage nodes to wait for (default 1)")
+    s.add_argument("--timeout", dest="wait_s", type=float, default=60.0, metavar="SECONDS",
+                   help="give up after this long (default 60)")
+    s.set_defaults(fn=cmd_wait)
 
     s = sub.add_parser("credential", help="print a client's or an administrator's credential")
     common(s)

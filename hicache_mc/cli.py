@@ -12,8 +12,8 @@ import threading
 from typing import Optional
 
 from . import __version__
-from .admin import add_commands, token_arg
-from .config import MasterConfig, NodeConfig, load_config
+from .admin import add_commands, token_arg, wait_ready
+from .config import ClientConfig, MasterConfig, NodeConfig, load_config
 from .errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache_mc")
@@ -106,9 +106,21 @@ def cmd_serve(args) -> int:
     node.start()
     log.info("hicache-mc serving: master %s, node process %d (%d MiB DRAM)",
              master.address, node.pid, ncfg.dram >> 20)
-    if run_services([master], [node]):
+    stop = threading.Event()
+    threading.Thread(target=_say_ready, args=(ClientConfig(master=ncfg.master, token=mcfg.token), stop),
+                     name="ready", daemon=True).start()
+    clean = run_services([master], [node])
+    stop.set()
+    if clean:
         return 0
     return 2 if node.exitcode == 2 else 1      # 2: the node's port is in use
+
+
+def _say_ready(config: ClientConfig, stop: threading.Event) -> None:
+    """Log one "ready" line once the master lists serve's node: from then on it takes writes."""
+    ok, what = wait_ready(config, 1, float("inf"), probe=False, stop=stop)
+    if ok:
+        log.info("hicache-mc ready: %s", what)
 
 
 def serve_node(config: NodeConfig, level: int, parent: int) -> None:

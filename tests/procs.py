@@ -115,9 +115,10 @@ class Cluster:
     def _proc(self, name: str, args: list[str]) -> Proc:
         return Proc(args, str(self.tmp / f"{name}.log"), self.env)
 
-    def start_serve(self, dram: str = "256MiB") -> "Cluster":
+    def start_serve(self, dram: str = "256MiB", wait: bool = True) -> "Cluster":
         self.serve_proc = self._proc("serve", ["serve", "--port", str(self.port), "--dram", dram]).start()
-        self.wait_nodes(1)
+        if wait:
+            self.wait_nodes(1)
         return self
 
     def start_master(self, args: tuple = ()) -> Proc:

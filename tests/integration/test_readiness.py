@@ -1,9 +1,14 @@
-"""Readiness of real processes: the metrics ports' /health and /ready."""
+"""Readiness of real processes: serve's "ready" line, ``hicache-mc wait``, and the metrics
+ports' /health and /ready."""
+import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
 import hicache_mc
+from hicache_mc.client import StoreClient
 from procs import free_port
 
 
@@ -49,3 +54,41 @@ def test_health_and_ready_follow_the_cluster(cluster):
     until(nport, "/ready", 200)
     node.stop()
     until(mport, "/ready", 503)                    # its heartbeats stopped
+
+
+def cli(*args, **kw) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
+    return subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_serve_logs_ready_once_its_node_takes_writes(cluster):
+    serve = cluster.start_serve("32MiB", wait=False).serve_proc
+    end = time.monotonic() + 120
+    while "hicache-mc ready: " not in serve.log():
+        assert time.monotonic() < end and serve.alive, cluster.logs()
+        time.sleep(0.1)
+    with StoreClient(cluster.master) as c:              # nothing but the line was waited for
+        assert c.put("ready/0", b"x" * 4096)
+    ready = [line for line in serve.log().splitlines() if "ready" in line.split(": ", 1)[-1]]
+    assert len(ready) == 1 and cluster.master in ready[0], ready
+
+
+def test_wait_times_out_in_one_line_then_returns_once_the_cluster_takes_writes(cluster):
+    p = cli("wait", "--master", f"127.0.0.1:{cluster.port}", "--timeout", "1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and out == ""
+    assert err.startswith("hicache-mc: not ready after 1 s: no answer from the master at") and \
+        err.count("\n") == 1, err
+    cluster.start_master()
+    p = cli("wait", "--master", cluster.master, "--nodes", "2", "--timeout", "1.5")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and err.strip().endswith("0 of 2 storage nodes live"), err
+    p = cli("wait", "--master", cluster.master, "--nodes", "2", "--timeout", "300")
+    cluster.add_node(dram="32MiB")
+    cluster.add_node(dram="32MiB")
+    out, err = p.communicate(timeout=320)
+    assert p.returncode == 0, err
+    assert out.startswith("ready: ") and "2 nodes live" in out and "a probe put succeeded" in out
+    cluster.wait_keys(0)                               # the probe object is gone again
+    cluster.wait_objects(0)
