@@ -51,6 +51,21 @@ class HiCacheMC(HiCacheStorage):
         if getattr(storage_config, "should_split_heads", False):
             logger.info("hicache_mc: heterogeneous-TP head splitting is not used; pages are "
                         "shared only between deployments of the same TP size")
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """Say loudly at start-up when the store cannot serve (SGLang runs on regardless)."""
+        try:
+            cluster = self.client.stats()["cluster"]
+        except Exception:           # never into SGLang
+            cluster = None
+        if cluster is None or not cluster.get("nodes"):
+            logger.warning(
+                "hicache_mc: NO L3 CACHE: the master at %s %s; every L3 lookup misses and every "
+                "backup is dropped until it does (is `hicache-mc serve` running? check `master` in "
+                "--hicache-storage-backend-extra-config or HICACHE_MC_MASTER)",
+                self.client_config.master,
+                "does not answer" if cluster is None else "has no live storage node")
 
     # ------------------------------------------------------------------ set-up
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from pools import fill_random, make_backend, mha_host, page_bytes, page_hashes, slots
+from procs import free_port
 
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 
@@ -140,3 +141,19 @@ def test_store_down_gives_quick_misses_and_store_back_gives_hits(store, caplog):
         assert torch.equal(w, g)
     assert any("batch_set_v1 recovered" in r.getMessage() for r in caplog.records)
     backend.close()
+
+
+def test_a_master_that_does_not_answer_is_a_loud_warning_at_start_not_a_failure(shared_store, caplog):
+    caplog.set_level(logging.INFO, logger="hicache_mc.sglang")
+    pool = mha_host("page_first")
+    gone = f"127.0.0.1:{free_port()}"                     # nothing listens there
+    backend = make_backend(pool, gone)
+    loud = [r for r in caplog.records if "NO L3 CACHE" in r.getMessage()]
+    assert len(loud) == 1 and loud[0].levelno == logging.WARNING
+    assert f"tcp://{gone} does not answer" in loud[0].getMessage()
+    keys = page_hashes(2, pool.page_size)
+    assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, slots(pool, 2)) == [False] * 2
+    backend.close()
+    caplog.clear()
+    make_backend(pool, shared_store.master).close()       # a store that answers: nothing loud
+    assert not [r for r in caplog.records if "NO L3 CACHE" in r.getMessage()]
