@@ -129,3 +129,12 @@ def test_the_version_has_one_source():
         hicache_mc.__version__
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"hicache-mc {hicache_mc.__version__}"
+
+
+def test_wait_probes_with_a_tenant_credential(secured, tmp_path):
+    r = cli("credential", "--tenant", "teamw", "--token-file", str(secured.token_file))
+    cred = tmp_path / "teamw.cred"
+    cred.write_text(r.stdout)
+    r = cli("wait", "--timeout", "120", env={"HICACHE_MC_MASTER": secured.master,
+                                             "HICACHE_MC_TOKEN": f"@{cred}"})
+    assert r.returncode == 0 and "a probe put succeeded" in r.stdout, r.stderr
