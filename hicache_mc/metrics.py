@@ -1,15 +1,20 @@
-"""Prometheus text exposition for the master and the nodes, without extra dependencies; the
-same port answers the health (``/health``) and readiness (``/ready``) probes.
+"""Prometheus metrics of the master and the nodes, and the port that serves them, which also
+answers the health (``/health``) and readiness (``/ready``) probes.
 
-A service builds its metric families on its own loop thread (``Service.metric_families``,
-once a second) and the HTTP thread serves the last snapshot, so scraping never touches the
-loop's live dictionaries. Opt-in: ``metrics_port`` (0 = off), bound to ``metrics_host``
-(127.0.0.1 by default). The port is open to whoever reaches it: the server holds every
-connection to a fixed buffer, a deadline and a cap, on one thread (see MetricsServer).
+A service builds its metric families (prometheus_client's ``*MetricFamily`` types) on its own
+loop thread, once a second (``Service.metric_families``), and publishes the list; a scrape
+renders the last list with prometheus_client's ``generate_latest``, which escapes label values,
+after ``hicache_mc_build_info`` and before the process's own metrics (``ProcessCollector``,
+``PlatformCollector``). Scraping never touches the loop's live dictionaries. The port is
+``metrics_port`` (0 = off) on ``metrics_host`` (127.0.0.1 by default), open
+to whoever reaches it: the server holds every connection to a fixed buffer, a deadline and a
+cap, on one thread (see MetricsServer); prometheus_client's own server, a thread per
+connection, is not used.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import selectors
 import socket
@@ -17,93 +22,65 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import suppress
-from typing import Callable, Iterable, Optional
+from typing import Callable, Union
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from . import __version__
 
 log = logging.getLogger(__name__)
 
 # request handling time, seconds: the loop serves most requests in 20 µs .. 5 ms
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
            0.1, 0.25, 0.5, 1.0)
+_LE = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"     # what generate_latest writes
 
 
 class Histogram:
-    __slots__ = ("counts", "total", "n")
+    """Handling times of one request type, observed on the loop thread (no lock needed)."""
+    __slots__ = ("counts", "total")
 
     def __init__(self):
         self.counts = [0] * (len(BUCKETS) + 1)
         self.total = 0.0
-        self.n = 0
 
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
         self.total += seconds
-        self.n += 1
-
-    def snapshot(self) -> tuple[list[int], float, int]:
-        return list(self.counts), self.total, self.n
 
 
-class Family:
-    """One metric family: name, type, help, samples of (labels, value)."""
-
-    def __init__(self, name: str, kind: str, help_: str):
-        self.name, self.kind, self.help = name, kind, help_
-        self.samples: list[tuple[dict, object]] = []
-
-    def add(self, value, **labels) -> "Family":
-        self.samples.append((labels, value))
-        return self
-
-
-def gauge(name: str, help_: str, value=None, **labels) -> Family:
-    f = Family(name, "gauge", help_)
-    return f.add(value, **labels) if value is not None else f
-
-
-def counter(name: str, help_: str, value=None, **labels) -> Family:
-    f = Family(name, "counter", help_)
-    return f.add(value, **labels) if value is not None else f
-
-
-def histogram_family(name: str, help_: str, by_label: str, hists: dict) -> Family:
-    f = Family(name, "histogram", help_)
+def histogram_family(name: str, help_: str, by_label: str, hists: dict) -> HistogramMetricFamily:
+    f = HistogramMetricFamily(name, help_, labels=[by_label])
     for label, h in sorted(hists.items()):
-        f.add(h.snapshot(), **{by_label: label})
+        f.add_metric([label], list(zip(_LE, itertools.accumulate(h.counts))), h.total)
     return f
 
 
-def _labels(labels: dict, extra: Optional[tuple] = None) -> str:
-    items = list(labels.items()) + ([extra] if extra else [])
-    if not items:
-        return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                    for k, v in items)
-    return "{" + body + "}"
+class Exposition:
+    """What ``/metrics`` serves: the families a service's loop published last, then the
+    process's own. ``publish`` on the loop thread, ``text`` on the HTTP thread."""
 
+    def __init__(self):
+        build = GaugeMetricFamily("hicache_mc_build_info", "version of this process", labels=["version"])
+        build.add_metric([__version__], 1)
+        self._build = build
+        self._families: list[Metric] = []
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
-def _num(value) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    return str(value) if isinstance(value, int) else repr(float(value))
+    def publish(self, families: list[Metric]) -> None:
+        self._families = [self._build, *families]      # one assignment: a scrape sees all or none
 
+    def collect(self) -> list[Metric]:
+        return self._families
 
-def render(families: Iterable[Family]) -> str:
-    out = []
-    for f in families:
-        out.append(f"# HELP {f.name} {f.help}")
-        out.append(f"# TYPE {f.name} {f.kind}")
-        for labels, value in f.samples:
-            if f.kind == "histogram":
-                counts, total, n = value
-                acc = 0
-                for le, c in zip(list(BUCKETS) + ["+Inf"], counts):
-                    acc += c
-                    out.append(f"{f.name}_bucket{_labels(labels, ('le', le))} {acc}")
-                out.append(f"{f.name}_sum{_labels(labels)} {total}")
-                out.append(f"{f.name}_count{_labels(labels)} {n}")
-            else:
-                out.append(f"{f.name}{_labels(labels)} {_num(value)}")
-    return "\n".join(out) + "\n"
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 # The HTTP side: every connection on one thread, each held to a fixed buffer and a deadline
@@ -131,10 +108,13 @@ class MetricsServer:
     404. Every reply closes its connection. One thread runs a selectors loop over all
     connections: an idle or slow peer costs a slot and 8 KiB until its deadline, never a thread."""
 
-    def __init__(self, host: str, port: int, source: Callable[[], str],
+    def __init__(self, host: str, port: int, source: Callable[[], Union[bytes, str]],
                  ready: Callable[[], tuple[bool, str]] = lambda: (True, "")):
         self.source, self.ready = source, ready
-        self.listener = socket.create_server((host, port), backlog=1024)
+        try:
+            self.listener = socket.create_server((host, port), backlog=1024)
+        except OSError as exc:      # name the port: the service may hold several
+            raise OSError(exc.errno, f"{exc.strerror} (metrics port {host}:{port})") from None
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self._peers: OrderedDict[socket.socket, _Peer] = OrderedDict()     # oldest first
@@ -213,7 +193,7 @@ class MetricsServer:
         elif p.got == len(p.buf):
             self._reply(p, 431, f"request over {REQUEST_MAX} bytes\n")
 
-    def _answer(self, head: bytes) -> tuple[int, str]:
+    def _answer(self, head: bytes) -> tuple[int, Union[bytes, str]]:
         parts = head.split(b"\r\n", 1)[0].split(b" ")
         if len(parts) != 3:
             return 400, "bad request line\n"
@@ -231,9 +211,9 @@ class MetricsServer:
             log.exception("metrics: the source failed")
             return 500, "metrics unavailable\n"
 
-    def _reply(self, p: _Peer, code: int, text: str) -> None:
-        body = text.encode()
-        ctype = "text/plain; version=0.0.4" if code == 200 else "text/plain"
+    def _reply(self, p: _Peer, code: int, text: Union[bytes, str]) -> None:
+        body = text if isinstance(text, bytes) else text.encode()
+        ctype = CONTENT_TYPE if code == 200 else "text/plain"
         p.out = memoryview(f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n"
                            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         p.buf, p.deadline = b"", time.monotonic() + REPLY_S     # the request buffer is done with

@@ -30,11 +30,11 @@ from typing import Callable, Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import __version__, protocol as P
+from . import protocol as P
 from .auth import Principal, Guard, credential, secure_client
 from .errors import ProtocolError, StoreUnavailable
 from .keys import foreign_key
-from .metrics import Histogram, MetricsServer, gauge, render
+from .metrics import Exposition, Histogram, MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class Service:
         self.rejected: dict[str, int] = {}          # error replies per code
         self._poller: Optional[zmq.Poller] = None
         self._metrics: Optional[MetricsServer] = None
-        self._metrics_text = ""
+        self._exposition: Optional[Exposition] = None
+        self.metrics_url = ""       # http://HOST:PORT/metrics while metrics are served
         self._ready = (False, "starting", time.monotonic())     # (ready, why not, when): /ready
         self._next_publish = 0.0
         self._quiet: dict[str, float] = {}
@@ -101,7 +102,9 @@ class Service:
     def enable_metrics(self, host: str, port: int) -> None:
         """Serve Prometheus metrics on http://host:port/metrics (port 0 = off)."""
         if port:
-            self._metrics = MetricsServer(host, port, lambda: self._metrics_text, self._ready_now)
+            self._exposition = Exposition()
+            self._metrics = MetricsServer(host, port, self._exposition.text, self._ready_now)
+            self.metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{self._metrics.port}/metrics"
 
     def readiness(self) -> tuple[bool, str]:
         """Whether the service does its job now, and why not (the metrics port's /ready);
@@ -146,8 +149,7 @@ class Service:
                 self.tick(now)
                 if self._metrics is not None and now >= self._next_publish:
                     self._next_publish = now + 1.0
-                    self._metrics_text = render([gauge("hicache_mc_build_info", "version of this process",
-                                                       1, version=__version__), *self.metric_families()])
+                    self._exposition.publish(self.metric_families())
                     self._ready = (*self.readiness(), now)
             except zmq.ContextTerminated:
                 break

@@ -31,7 +31,7 @@ def get(port: int, path: str) -> tuple[int, str, str]:
 
 
 def test_metrics_are_served(server):
-    assert get(server.port, "/metrics") == (200, "text/plain; version=0.0.4", TEXT)
+    assert get(server.port, "/metrics") == (200, "text/plain; version=0.0.4; charset=utf-8", TEXT)
     assert get(server.port, "/metrics?x=1")[0] == 200
 
 

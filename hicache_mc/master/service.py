@@ -10,9 +10,11 @@ import logging
 import time
 import uuid
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from .. import __version__, protocol as P
 from ..config import MasterConfig
-from ..metrics import counter, gauge, histogram_family
+from ..metrics import histogram_family
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .registry import NodeRegistry
@@ -322,33 +324,39 @@ class MasterService(Service):
     def metric_families(self) -> list:
         now = time.monotonic()
         nodes = list(self.registry.nodes.values())
-        fams = [gauge("hicache_mc_master_keys", "keys in the master index", len(self.index)),
-                gauge("hicache_mc_master_nodes", "live storage nodes", len(nodes))]
-        live = gauge("hicache_mc_node_heartbeat_age_seconds", "seconds since each node's last heartbeat")
-        cap = gauge("hicache_mc_node_capacity_bytes", "DRAM capacity per node")
-        used = gauge("hicache_mc_node_used_bytes", "DRAM bytes in use per node")
+        fams = [GaugeMetricFamily("hicache_mc_master_keys", "keys in the master index", len(self.index)),
+                GaugeMetricFamily("hicache_mc_master_nodes", "live storage nodes", len(nodes))]
+        live = GaugeMetricFamily("hicache_mc_node_heartbeat_age_seconds",
+                                 "seconds since each node's last heartbeat", labels=["node"])
+        cap = GaugeMetricFamily("hicache_mc_node_capacity_bytes", "DRAM capacity per node", labels=["node"])
+        used = GaugeMetricFamily("hicache_mc_node_used_bytes", "DRAM bytes in use per node", labels=["node"])
         for st in nodes:
-            live.add(round(now - st.last_seen, 3), node=st.info.node_id)
-            cap.add(st.info.capacity, node=st.info.node_id)
-            used.add(int(st.stats.get("used", 0)), node=st.info.node_id)
+            live.add_metric([st.info.node_id], round(now - st.last_seen, 3))
+            cap.add_metric([st.info.node_id], st.info.capacity)
+            used.add_metric([st.info.node_id], int(st.stats.get("used", 0)))
         fams += [live, cap, used]
         for name, value in self.counters.items():
-            fams.append(counter(f"hicache_mc_master_{name}_total", f"master {name.replace('_', ' ')}", value))
-        hits = counter("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace")
-        misses = counter("hicache_mc_lookup_misses_total", "keys not found by Locate, per key namespace")
+            fams.append(CounterMetricFamily(f"hicache_mc_master_{name}_total",
+                                            f"master {name.replace('_', ' ')}", value))
+        hits = CounterMetricFamily("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace",
+                                   labels=["namespace"])
+        misses = CounterMetricFamily("hicache_mc_lookup_misses_total",
+                                     "keys not found by Locate, per key namespace", labels=["namespace"])
         for ns, (h, m) in self.by_namespace.items():
-            hits.add(h, namespace=ns)
-            misses.add(m, namespace=ns)
-        rejected = counter("hicache_mc_master_rejected_total", "error replies to bad requests, per code")
+            hits.add_metric([ns], h)
+            misses.add_metric([ns], m)
+        rejected = CounterMetricFamily("hicache_mc_master_rejected_total",
+                                       "error replies to bad requests, per code", labels=["code"])
         for code, n in self.rejected.items():
-            rejected.add(n, code=code)
-        used_f = gauge("hicache_mc_tenant_used_bytes", "bytes held per tenant, all nodes")
-        quota_f = gauge("hicache_mc_tenant_quota_bytes", "quota per tenant")
+            rejected.add_metric([code], n)
+        used_f = GaugeMetricFamily("hicache_mc_tenant_used_bytes", "bytes held per tenant, all nodes",
+                                   labels=["tenant", "node"])
+        quota_f = GaugeMetricFamily("hicache_mc_tenant_quota_bytes", "quota per tenant", labels=["tenant"])
         for st in nodes:
-            for t, used in st.stats.get("tenants", {}).items():
-                used_f.add(int(used), tenant=t, node=st.info.node_id)
+            for t, used_bytes in st.stats.get("tenants", {}).items():
+                used_f.add_metric([t, st.info.node_id], int(used_bytes))
         for t, q in self.quotas.items():
-            quota_f.add(q, tenant=t)
+            quota_f.add_metric([t], q)
         fams += [hits, misses, rejected, used_f, quota_f,
                  histogram_family("hicache_mc_master_request_seconds", "request handling time",
                                   "type", self.latency)]

@@ -1,7 +1,9 @@
 """A storage node's Prometheus metric families, from its stats (see hicache_mc/metrics.py)."""
 from __future__ import annotations
 
-from ..metrics import counter, gauge, histogram_family
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..metrics import histogram_family
 
 
 def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
@@ -16,7 +18,8 @@ def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
               "objects_total": ("objects", "objects on this node, any tier")}
     for key, (name, help_) in gauges.items():
         if key in st:
-            fams.append(gauge(f"hicache_mc_node_{name}", help_, st[key], node=node))
+            fams.append(GaugeMetricFamily(f"hicache_mc_node_{name}", help_, labels=["node"]))
+            fams[-1].add_metric([node], st[key])
     counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
                 "read_hits": "keys served", "writes": "objects committed",
                 "bytes_in": "object bytes written",
@@ -32,10 +35,12 @@ def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
                 "stream_shed": "stream-port peers dropped to make room (connection caps)"}
     for key, help_ in counters.items():
         if key in st:
-            fams.append(counter(f"hicache_mc_node_{key}_total", help_, st[key], node=node))
-    refusals = counter("hicache_mc_node_rejected_total", "error replies to bad requests, per code")
+            fams.append(CounterMetricFamily(f"hicache_mc_node_{key}_total", help_, labels=["node"]))
+            fams[-1].add_metric([node], st[key])
+    refusals = CounterMetricFamily("hicache_mc_node_rejected_total", "error replies to bad requests, per code",
+                                   labels=["code", "node"])
     for code, n in rejected.items():
-        refusals.add(n, code=code, node=node)
+        refusals.add_metric([code, node], n)
     fams += [refusals, histogram_family("hicache_mc_node_request_seconds", "request handling time",
                                         "type", latency)]
     return fams

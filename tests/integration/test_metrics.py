@@ -4,14 +4,18 @@ import urllib.request
 
 import pytest
 
+import hicache_mc
 from hicache_mc.client import StoreClient
 from procs import Cluster, free_port
 
 
+def get_text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
 def scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
-    for line in text.splitlines():
+    for line in get_text(port).splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -19,9 +23,12 @@ def scrape(port: int) -> dict:
 
 
 def wait_metric(port, name, pred, timeout_s=10):
-    end = time.monotonic() + timeout_s
+    end, m = time.monotonic() + timeout_s, {}
     while time.monotonic() < end:
-        m = scrape(port)
+        try:
+            m = scrape(port)
+        except OSError:         # not listening yet
+            m = {}
         if name in m and pred(m[name]):
             return m
         time.sleep(0.2)
@@ -53,7 +60,11 @@ def test_metrics_endpoints_follow_the_traffic(tmp_path):
                         lambda v: v == 5)
         assert any(k.startswith("hicache_mc_node_bytes_in_total") and v == 5000 for k, v in n.items())
         assert any(k.startswith("hicache_mc_node_dram_capacity_bytes") and v == 256 << 20 for k, v in n.items())
-        assert n['hicache_mc_node_request_seconds_bucket{type="CommitRequest",le="+Inf"}'] == 5
+        assert n['hicache_mc_node_request_seconds_bucket{le="+Inf",type="CommitRequest"}'] == 5
+        for scraped in (m, n):          # the process's own metrics, and the version
+            assert scraped["process_resident_memory_bytes"] > 0 and "process_cpu_seconds_total" in scraped
+            assert any(k.startswith("python_info{") for k in scraped)
+            assert scraped[f'hicache_mc_build_info{{version="{hicache_mc.__version__}"}}'] == 1
     finally:
         cl.stop()
 
@@ -109,5 +120,30 @@ def test_unknown_metrics_path_is_404(tmp_path):
                 time.sleep(0.1)
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"http://127.0.0.1:{mport}/secret", timeout=5)
+    finally:
+        cl.stop()
+
+
+def test_a_label_value_cannot_break_the_scrape_or_inject_samples(tmp_path):
+    """A namespace comes from a client's key: a newline or a quote in it stays inside its label."""
+    from prometheus_client.parser import text_string_to_metric_families
+    mport = free_port()
+    cl = Cluster(tmp_path)
+    cl.env["HICACHE_MC_MASTER_METRICS_PORT"] = str(mport)
+    cl.start_master()
+    evil = 'ns\nhicache_mc_master_keys 999\n"} 7\\'
+    try:
+        wait_metric(mport, "hicache_mc_master_keys", lambda v: v == 0, 30)    # the master is up
+        with StoreClient(cl.master) as c:
+            assert c.get(f"{evil}/0/k") is None
+        end = time.monotonic() + 10
+        while "hicache_mc_lookup_misses_total{" not in (text := get_text(mport)):
+            assert time.monotonic() < end, "the miss never showed in the scrape"
+            time.sleep(0.2)
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert [s.value for s in samples if s.name == "hicache_mc_master_keys"] == [0]
+        assert [s.value for s in samples if s.name == "hicache_mc_lookup_misses_total"
+                and s.labels == {"namespace": evil}] == [1]
+        assert sum(line.startswith("hicache_mc_master_keys ") for line in text.splitlines()) == 1
     finally:
         cl.stop()

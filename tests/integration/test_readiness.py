@@ -43,7 +43,7 @@ def test_health_and_ready_follow_the_cluster(cluster):
     cluster.start_master()
     until(mport, "/health", 200)
     until(mport, "/ready", 503, "not ready: no live storage node\n")
-    until(mport, "/metrics", 200, f'hicache_mc_build_info{{version="{hicache_mc.__version__}"}} 1\n')
+    until(mport, "/metrics", 200, f'hicache_mc_build_info{{version="{hicache_mc.__version__}"}} 1.0\n')
     node = cluster.add_node(dram="32MiB")
     until(nport, "/ready", 200)                    # the node registered
     until(mport, "/ready", 200)                    # the master has a live node
