@@ -44,7 +44,8 @@ def node_options(sp) -> None:
     sp.add_argument("--te-protocol", choices=["tcp", "rdma"],
                     help="serve the DRAM segment through Mooncake's Transfer Engine (default: off)")
     sp.add_argument("--node-metrics-port", type=int,
-                    help="Prometheus /metrics port of the node (default 0: off)")
+                    help="the node's /metrics, /health and /ready port (default 0: any free port, "
+                         "logged and in stats; -1: off)")
     sp.add_argument("--data-port", type=int,
                     help="the node's stream port for the tcp transport (default 0: any free port)")
 
@@ -187,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="master port (default 7370)")
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
-    s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port of the master (default 0: off)")
+    s.add_argument("--metrics-port", type=int, help="the master's /metrics, /health and /ready port "
+                   "(default 9370; 0: any free port; -1: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -195,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host")
     s.add_argument("--port", type=int)
-    s.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 0: off)")
+    s.add_argument("--metrics-port", type=int, help="/metrics, /health and /ready port "
+                   "(default 9370; 0: any free port; -1: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")
@@ -241,7 +244,8 @@ def in_use(exc: BaseException) -> Optional[str]:
     if getattr(exc, "errno", None) != errno.EADDRINUSE:
         return None
     return (f"cannot listen: {exc}; another process (another hicache-mc?) holds that port: stop "
-            "it or choose another (--port, --node-port, --data-port, --metrics-port)")
+            "it or choose another (--port, --node-port, --data-port, --metrics-port, "
+            "--node-metrics-port)")
 
 
 if __name__ == "__main__":

@@ -59,14 +59,14 @@ class MasterConfig:
     # shared secret of the cluster ("" = none; "@FILE" reads it): the CURVE keys of every ZeroMQ
     # port and the stream ports' handshake derive from it (hicache_mc/auth.py)
     token: str = field(default="", repr=False)    # never in a log line or a traceback
-    metrics_port: int = 0              # Prometheus /metrics (0 = off)
+    metrics_port: int = 9370           # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
 
     def __post_init__(self):
         _check_server_token(self.token)
         _check_port(self.port, "port")
-        _check_port(self.metrics_port, "metrics_port")
+        _check_port(self.metrics_port, "metrics_port", lowest=-1)
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
         parse_quotas(self.tenant_quotas)
@@ -97,7 +97,7 @@ class NodeConfig:
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
     token: str = field(default="", repr=False)
-    metrics_port: int = 0                      # Prometheus /metrics (0 = off)
+    metrics_port: int = 0                      # /metrics etc. (0 = any free port, in stats; -1 = off)
     metrics_host: str = "127.0.0.1"
     # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
     ssd: int = size_field("0")                 # SSD tier capacity (0 = no SSD tier)
@@ -118,7 +118,7 @@ class NodeConfig:
         _check_server_token(self.token)
         _check_port(self.port, "port")
         _check_port(self.data_port, "data_port")
-        _check_port(self.metrics_port, "metrics_port")
+        _check_port(self.metrics_port, "metrics_port", lowest=-1)
         _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):
             raise ConfigError(f"durability: expected sync, async or demote, got {self.durability!r}")
@@ -210,9 +210,9 @@ def parse_quotas(text: str) -> dict[str, int]:
     return out
 
 
-def _check_port(value: int, name: str) -> None:
-    if not 0 <= value <= 65535:
-        raise ConfigError(f"{name}: expected 0..65535, got {value}")
+def _check_port(value: int, name: str, lowest: int = 0) -> None:
+    if not lowest <= value <= 65535:
+        raise ConfigError(f"{name}: expected {lowest}..65535, got {value}")
 
 
 def _check_te_protocol(value: str) -> None:

@@ -30,8 +30,9 @@ class EmbeddedStore:
     """Master + one node on loopback, in this process (threads), on a free port."""
 
     def __init__(self, dram: str):
-        self.master = MasterService(load_config(MasterConfig, env={}, port=0))
+        self.master = MasterService(load_config(MasterConfig, env={}, port=0, metrics_port=-1))
         self.node = StorageNode(load_config(NodeConfig, env={}, master=self.master.address, dram=dram,
+                                            metrics_port=-1,
                                             data_dir=tempfile.mkdtemp(prefix="hicache-mc-demo-")))
         self.threads = [threading.Thread(target=s.serve_forever, daemon=True)
                         for s in (self.master, self.node)]

@@ -6,7 +6,7 @@ loop thread, once a second (``Service.metric_families``), and publishes the list
 renders the last list with prometheus_client's ``generate_latest``, which escapes label values,
 after ``hicache_mc_build_info`` and before the process's own metrics (``ProcessCollector``,
 ``PlatformCollector``). Scraping never touches the loop's live dictionaries. The port is
-``metrics_port`` (0 = off) on ``metrics_host`` (127.0.0.1 by default), open
+``metrics_port`` (0 = any free port, -1 = off) on ``metrics_host`` (127.0.0.1 by default), open
 to whoever reaches it: the server holds every connection to a fixed buffer, a deadline and a
 cap, on one thread (see MetricsServer); prometheus_client's own server, a thread per
 connection, is not used.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -114,7 +115,7 @@ class MetricsServer:
         try:
             self.listener = socket.create_server((host, port), backlog=1024)
         except OSError as exc:      # name the port: the service may hold several
-            raise OSError(exc.errno, f"{exc.strerror} (metrics port {host}:{port})") from None
+            raise OSError(exc.errno, f"{os.strerror(exc.errno)} (metrics port {host}:{port})") from None
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self._peers: OrderedDict[socket.socket, _Peer] = OrderedDict()     # oldest first
@@ -125,7 +126,6 @@ class MetricsServer:
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name="metrics", daemon=True)
         self.thread.start()
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     def _loop(self) -> None:
         try:

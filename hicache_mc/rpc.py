@@ -100,11 +100,12 @@ class Service:
                         "the store (set token)", name, bind)
 
     def enable_metrics(self, host: str, port: int) -> None:
-        """Serve Prometheus metrics on http://host:port/metrics (port 0 = off)."""
-        if port:
+        """Serve Prometheus metrics on http://host:port/metrics (0 = any free port, -1 = off)."""
+        if port >= 0:
             self._exposition = Exposition()
             self._metrics = MetricsServer(host, port, self._exposition.text, self._ready_now)
             self.metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{self._metrics.port}/metrics"
+            log.info("%s metrics on %s", self.name, self.metrics_url)
 
     def readiness(self) -> tuple[bool, str]:
         """Whether the service does its job now, and why not (the metrics port's /ready);

@@ -67,6 +67,16 @@ def test_role_specific_env_wins():
     assert load_config(MasterConfig, env=env, section="master").port == 7001
 
 
+def test_metrics_are_on_by_default_on_loopback():
+    """The master on 9370; a node on any free port (several share a host); -1 turns them off."""
+    assert (MasterConfig().metrics_host, MasterConfig().metrics_port) == ("127.0.0.1", 9370)
+    assert (NodeConfig().metrics_host, NodeConfig().metrics_port) == ("127.0.0.1", 0)
+    for cls in (MasterConfig, NodeConfig):
+        assert load_config(cls, env={"HICACHE_MC_METRICS_PORT": "-1"}).metrics_port == -1
+        with pytest.raises(ConfigError, match="metrics_port: expected -1..65535, got -2"):
+            load_config(cls, env={}, metrics_port=-2)
+
+
 def test_every_setting_is_documented():
     import dataclasses
     import os

@@ -68,7 +68,7 @@ def hicache_store(dram: int, ssd: int = 0, transport: str = "auto"):
         args += ["--ssd", str(ssd)]
     log = open(os.path.join(tmp, "serve.log"), "ab")
     # data_dir: the node's files stay in the temporary folder, removed afterwards
-    env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp)
+    env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp, HICACHE_MC_MASTER_METRICS_PORT="0")
     p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     master = f"tcp://127.0.0.1:{port}"

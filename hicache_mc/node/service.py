@@ -263,7 +263,8 @@ class StorageNode(Service):
             self.reply(ident, client_req, failed)
 
     def stats(self) -> dict:
-        return {**self.store.stats(), **self.counters, **self.streams.counters}
+        return {**self.store.stats(), **self.counters, **self.streams.counters,
+                **({"metrics_url": self.metrics_url} if self.metrics_url else {})}
 
     # -------------------------------------------------------------- data plane
 

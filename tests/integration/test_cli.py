@@ -16,8 +16,10 @@ from procs import Cluster, free_port
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
-    """``hicache-mc ARGS`` with none of this process's HICACHE_MC_* settings, plus ``env``."""
+    """``hicache-mc ARGS`` with none of this process's HICACHE_MC_* settings, plus ``env`` (a
+    master's metrics on any free port: 9370 may be another test's)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
+    base["HICACHE_MC_MASTER_METRICS_PORT"] = "0"
     return subprocess.run([sys.executable, "-m", "hicache_mc.cli", *args], capture_output=True,
                           text=True, timeout=120, env={**base, **(env or {})})
 

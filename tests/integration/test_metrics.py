@@ -69,6 +69,21 @@ def test_metrics_endpoints_follow_the_traffic(tmp_path):
         cl.stop()
 
 
+def test_a_node_serves_metrics_on_a_free_port_by_default_and_says_where(cluster):
+    cluster.start_master()
+    cluster.add_node(dram="32MiB")
+    cluster.wait_nodes(1)
+    end = time.monotonic() + 10
+    while "metrics_url" not in (node := cluster.stats()["nodes"][0]):     # from its heartbeats
+        assert time.monotonic() < end, node
+        time.sleep(0.1)
+    assert node["metrics_url"].startswith("http://127.0.0.1:")
+    port = int(node["metrics_url"].rsplit(":", 1)[1].split("/")[0])
+    m = wait_metric(port, f'hicache_mc_node_dram_capacity_bytes{{node="{node["node_id"]}"}}',
+                    lambda v: v == 32 << 20)
+    assert m["process_open_fds"] > 0
+
+
 def test_token_from_file_and_a_wrong_token_refused(tmp_path):
     secret = tmp_path / "token"
     secret.write_text("from-a-file\n")
