@@ -82,7 +82,7 @@ class NodeConfig:
     host: str = "127.0.0.1"            # bind address of the data plane
     port: int = 0                      # 0 = any free port (reported to the master)
     data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
-    node_id: str = ""                  # "" = derived from host and port
+    node_id: str = ""                  # "" = derived, kept across restarts (node/naming.py)
     dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
     high_watermark: float = 0.95       # above this fraction of DRAM, evict LRU objects ...
     low_watermark: float = 0.85        # ... down to this fraction

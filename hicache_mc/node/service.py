@@ -37,6 +37,7 @@ from ..transport.grants import Grants
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
 from .metrics import node_families
+from .naming import node_name
 from .ssd import SsdTier
 from .pending import PendingWrite
 from .store import TieredStore
@@ -71,7 +72,7 @@ class StorageNode(Service):
     def __init__(self, config: NodeConfig):
         super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
         self.config = config
-        self.node_id = config.node_id or f"{config.host}:{self.address.rsplit(':', 1)[1]}"
+        self.node_id, self._name_lock = node_name(config, int(self.address.rsplit(":", 1)[1]))
         remove_stale_segments(config.shm_dir)
         seg_id = uuid.uuid4().hex[:8]
         path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
@@ -383,3 +384,5 @@ class StorageNode(Service):
         if self.store.ssd is not None:
             os.close(self._wake_r)
             os.close(self._wake_w)
+        if self._name_lock is not None:
+            os.close(self._name_lock)       # the name is free for the next node

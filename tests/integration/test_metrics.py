@@ -1,4 +1,5 @@
 """Prometheus endpoints of a real master and node, and the token read from a file."""
+import socket
 import time
 import urllib.request
 
@@ -6,7 +7,7 @@ import pytest
 
 import hicache_mc
 from hicache_mc.client import StoreClient
-from procs import Cluster, free_port
+from procs import Cluster, Proc, free_port
 
 
 def get_text(port: int) -> str:
@@ -82,6 +83,26 @@ def test_a_node_serves_metrics_on_a_free_port_by_default_and_says_where(cluster)
     m = wait_metric(port, f'hicache_mc_node_dram_capacity_bytes{{node="{node["node_id"]}"}}',
                     lambda v: v == 32 << 20)
     assert m["process_open_fds"] > 0
+
+
+def test_a_restarted_node_keeps_its_name_and_so_its_series(cluster, tmp_path):
+    """No node_id, no port: the name comes from the node's data folder, not its random port."""
+    cluster.env["HICACHE_MC_DATA_DIR"] = str(tmp_path / "data")
+    cluster.start_master()
+    names = []
+    for run in range(2):
+        node = Proc(["node", "--master", cluster.master, "--dram", "32MiB"],
+                    str(tmp_path / f"node-run{run}.log"), cluster.env).start()
+        cluster.nodes.append(node)
+        end = time.monotonic() + 20
+        while not (nodes := (cluster.stats() or {}).get("nodes")) or \
+                (names and nodes[0]["address"] == names[-1][1]):     # the old one's record
+            assert time.monotonic() < end, cluster.logs()
+            time.sleep(0.1)
+        names.append((nodes[0]["node_id"], nodes[0]["address"]))
+        node.stop()
+    assert names[0][0] == names[1][0] == f"{socket.gethostname()}:{tmp_path / 'data'}"
+    assert names[0][1] != names[1][1]                   # on another port
 
 
 def test_token_from_file_and_a_wrong_token_refused(tmp_path):
