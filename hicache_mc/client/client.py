@@ -46,7 +46,10 @@ class StoreClient:
                  config_file: Optional[str] = None, **options):
         self.config = config or load_config(ClientConfig, file=config_file, section="client",
                                             master=master, **options)
-        self.ctx = zmq.Context()
+        # the process's shared context, never terminated here: a client dropped without close()
+        # is cyclic garbage, and a context of its own collected with its sockets would wait in
+        # term() for sockets whose finalizers have not run yet, blocking the collector for good
+        self.ctx = zmq.Context.instance()
         self._local = threading.local()
         self._channels: list[Channel] = []
         self._channels_lock = threading.Lock()
@@ -357,7 +360,6 @@ class StoreClient:
         self.shm.close()
         self.tcp.close()
         self.te.close()
-        self.ctx.term()
 
     def __enter__(self) -> "StoreClient":
         return self

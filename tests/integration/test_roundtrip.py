@@ -175,3 +175,25 @@ def test_get_after_exists_skips_locate_and_stale_locations_are_misses(store):
         assert c.batch_get_into(["loc/a"], ptrs[:1], [8]) == [False]
         assert c.stats()["client"]["locate_saved"] == 2
         assert c.get("loc/b") == b"abcdefgh"
+
+
+UNCLOSED = textwrap.dedent("""
+    import gc, sys
+    from hicache_mc.client import StoreClient
+    for transport in ("shm", "tcp"):
+        for _ in range(5):          # never closed: garbage with its sockets, as a backend SGLang drops
+            c = StoreClient(sys.argv[1], transport=transport)
+            assert c.put("unclosed/k", b"v" * 100) and c.get("unclosed/k") == b"v" * 100
+            del c
+            gc.collect()
+    print("collected")
+""")
+
+
+def test_a_client_never_closed_is_collected_without_hanging(store):
+    """A StoreClient dropped without close() is cyclic garbage (it and its transports refer to
+    each other). Collecting it must not block: a ZeroMQ context collected in the same cycle as
+    its sockets used to wait in term() for sockets whose finalizers had not run yet."""
+    r = subprocess.run([sys.executable, "-c", UNCLOSED, store.master], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "collected" in r.stdout, r.stderr[-2000:]
