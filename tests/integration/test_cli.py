@@ -109,9 +109,11 @@ def taken():
                                   ("node", "--node-port", "{taken}", "--dram", "16MiB"),
                                   ("node", "--data-port", "{taken}", "--dram", "16MiB"),
                                   ("serve", "--port", "{taken}", "--dram", "16MiB")])
-def test_a_port_in_use_is_one_line_and_exit_2(taken, args):
+def test_a_port_in_use_is_one_line_and_exit_2(taken, args, tmp_path):
+    # (the nodes' master; a data folder of their own, so no other node's lock on the default
+    # one makes a node log how it names itself)
     r = cli(*[a.format(taken=taken, free=free_port()) for a in args],
-            env={"HICACHE_MC_MASTER": f"127.0.0.1:{free_port()}"})     # (the nodes' master)
+            env={"HICACHE_MC_MASTER": f"127.0.0.1:{free_port()}", "HICACHE_MC_DATA_DIR": str(tmp_path)})
     assert r.returncode == 2
     assert "address already in use" in one_line(r).lower() and taken in r.stderr
 
