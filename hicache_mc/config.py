@@ -122,6 +122,9 @@ class NodeConfig:
         _check_te_protocol(self.te_protocol)
         if self.durability not in ("sync", "async", "demote"):
             raise ConfigError(f"durability: expected sync, async or demote, got {self.durability!r}")
+        if self.ssd_dir and not self.ssd:
+            raise ConfigError(f"ssd_dir is {self.ssd_dir!r} but ssd is 0 (no SSD tier): give the "
+                              "tier a size (ssd, --ssd) or leave ssd_dir (--ssd-dir) unset")
         if not 0 < self.ssd_low_watermark <= self.ssd_high_watermark <= 1:
             raise ConfigError("ssd_low_watermark/ssd_high_watermark: need 0 < low <= high <= 1")
         if self.ssd_segment < 1 << 16:

@@ -106,3 +106,15 @@ def test_a_master_that_cannot_be_dialled_is_refused(bad):
     for cls in (ClientConfig, NodeConfig):
         with pytest.raises(ConfigError, match="master: expected tcp://HOST:PORT or HOST:PORT"):
             load_config(cls, env={}, master=bad)
+
+
+@pytest.mark.parametrize("where", ["explicit", "env", "file"])
+def test_an_ssd_dir_without_an_ssd_tier_is_refused(tmp_path, where):
+    f = tmp_path / "c.toml"
+    f.write_text('[node]\nssd_dir = "/nvme/x"\n' if where == "file" else "")
+    env = {"HICACHE_MC_SSD_DIR": "/nvme/x"} if where == "env" else {}
+    explicit = {"ssd_dir": "/nvme/x"} if where == "explicit" else {}
+    with pytest.raises(ConfigError, match=r"ssd_dir.*\bssd\b.*--ssd\b"):
+        load_config(NodeConfig, file=str(f), env=env, section="node", **explicit)
+    assert load_config(NodeConfig, file=str(f), env=env, section="node", ssd="1GiB", **explicit).ssd_dir
+

@@ -63,9 +63,9 @@ def hicache_store(dram: int, ssd: int = 0, transport: str = "auto"):
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="replay-hicache-")
     args = [sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
-            "--dram", str(max(dram, 1 << 20)), "--ssd-dir", os.path.join(tmp, "ssd")]
+            "--dram", str(max(dram, 1 << 20))]
     if ssd:
-        args += ["--ssd", str(ssd)]
+        args += ["--ssd", str(ssd), "--ssd-dir", os.path.join(tmp, "ssd")]
     log = open(os.path.join(tmp, "serve.log"), "ab")
     # data_dir: the node's files stay in the temporary folder, removed afterwards
     env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp, HICACHE_MC_MASTER_METRICS_PORT="0")
