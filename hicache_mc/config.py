@@ -17,6 +17,7 @@ from .errors import ConfigError
 
 ENV_PREFIX = "HICACHE_MC_"
 DEFAULT_MASTER = "tcp://127.0.0.1:7370"
+SECTIONS = ("master", "node", "client")     # a config file's tables: one per role
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -281,12 +282,16 @@ def _read_file(path: str, section: Optional[str], fields: Mapping[str, Any]) -> 
             doc = tomllib.loads(data.decode())
     except Exception as exc:
         raise ConfigError(f"config file {path!r}: {exc}") from exc
+    unknown = [name for name, value in doc.items() if isinstance(value, dict) and name not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"[{unknown[0]}]: unknown section in {path!r} (known: "
+                          f"{', '.join(f'[{s}]' for s in SECTIONS)})")
     if section and isinstance(doc.get(section), dict):
         doc = doc[section]
+    else:   # the top-level keys; the tables are the other roles' sections
+        doc = {name: value for name, value in doc.items() if not isinstance(value, dict)}
     out = {}
     for name, value in doc.items():
-        if isinstance(value, dict):
-            continue  # another role's section
         if name not in fields:
             raise ConfigError(f"{name}: unknown setting in {path!r} (known: {', '.join(sorted(fields))})")
         out[name] = value

@@ -118,3 +118,11 @@ def test_an_ssd_dir_without_an_ssd_tier_is_refused(tmp_path, where):
         load_config(NodeConfig, file=str(f), env=env, section="node", **explicit)
     assert load_config(NodeConfig, file=str(f), env=env, section="node", ssd="1GiB", **explicit).ssd_dir
 
+
+@pytest.mark.parametrize("section", ["master", "node", "client"])
+def test_an_unknown_section_is_refused_naming_the_known_ones(tmp_path, section):
+    f = tmp_path / "c.toml"
+    f.write_text('[master]\nport = 7000\n[nodes]\ndram = "1GiB"\n')
+    cls = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}[section]
+    with pytest.raises(ConfigError, match=r"\[nodes\].*\[master\], \[node\], \[client\]"):
+        load_config(cls, file=str(f), env={}, section=section)
