@@ -128,9 +128,11 @@ def serve_node(config: NodeConfig, level: int, parent: int) -> None:
     """The node of ``serve``, in its child process; it ends when the parent does."""
     _die_with_parent(parent)
     logging.basicConfig(level=level, format=LOG_FORMAT)
-    from .node.service import StorageNode
+    from .node.startup import start_node
     try:
-        node = StorageNode(config)
+        node = start_node(config)
+    except KeyboardInterrupt:
+        sys.exit(1)
     except Exception as exc:
         if not isinstance(exc, (HicacheError, OSError)) and not in_use(exc):
             raise
@@ -157,8 +159,8 @@ def cmd_master(args) -> int:
 
 
 def cmd_node(args) -> int:
-    from .node.service import StorageNode
-    node = StorageNode(_node_config(args))
+    from .node.startup import start_node
+    node = start_node(_node_config(args))
     log.info("node %s on %s, master %s", node.node_id, node.address, node.config.master)
     return 0 if run_services([node]) else 1
 

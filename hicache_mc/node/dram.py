@@ -12,6 +12,7 @@ readers) catch anything else, e.g. a writer still copying after its reservation 
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import mmap
@@ -20,12 +21,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from ..errors import HicacheError
 from ..transport.shm import MAGIC
 from .allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
+PREFAULT_CHUNK = 256 << 20   # the prefault's step (see DramTier._prefault)
+MADV_POPULATE_WRITE = 23     # Linux 5.14+; Python's mmap module does not name it
 SLOT_ALIGN = 256             # objects start on this boundary and take their size rounded up to it
 
 
@@ -52,8 +56,12 @@ class DramTier:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # ours alone
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags=flags)
+            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags=mmap.MAP_SHARED)
+            if prefault:
+                self._prefault(fd)
+        except BaseException:       # no room, or SIGTERM / Ctrl-C while prefaulting: no file left
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         header = MAGIC + segment_id.encode()
@@ -69,6 +77,25 @@ class DramTier:
         # Without an SSD tier, eviction may drop any object. With one, only copies already on
         # SSD are dropped here; the rest leave DRAM by demotion (see node/store.py).
         self.drop_dirty = True
+
+    def _prefault(self, fd: int) -> None:
+        """Allocate every page of the segment now, a chunk at a time: signals are handled
+        between two chunks (one MAP_POPULATE of the whole segment holds them off for about a
+        second per GiB). A shm_dir without room for the segment fails here, where MAP_POPULATE
+        would succeed and the first write past the room left would kill the node (SIGBUS)."""
+        size = len(self.mm)
+        for off in range(0, size, PREFAULT_CHUNK):
+            n = min(PREFAULT_CHUNK, size - off)
+            try:
+                self.mm.madvise(MADV_POPULATE_WRITE, off, n)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:     # EFAULT: the tmpfs is full; ENOMEM
+                    raise HicacheError(
+                        f"{os.path.dirname(self.path)} has no room for a {size >> 20} MiB DRAM "
+                        "segment: lower --dram, or enlarge it (docker run --shm-size; a "
+                        "Kubernetes emptyDir of medium Memory)") from None
+                # Linux before 5.14: no MADV_POPULATE_WRITE
+                mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, offset=off).close()
 
     # ------------------------------------------------------------ writes
 

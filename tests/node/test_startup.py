@@ -1,0 +1,84 @@
+"""A node that cannot start, or is stopped while it starts, says why and leaves no segment
+file behind (real ``hicache-mc node`` / ``serve`` processes)."""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from procs import Proc, free_port
+
+START_S = 60         # generous: a loaded 2-core machine
+
+
+@pytest.fixture
+def shm_dir():
+    """A folder of its own on /dev/shm for the node's segment file (HICACHE_MC_SHM_DIR)."""
+    d = tempfile.mkdtemp(prefix="hicache-mc-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def start(tmp_path):
+    """start(cmd, shm_dir, *args): ``hicache-mc node`` (with no master: it only has to start)
+    or ``serve``; whatever is still running at the end is killed with its process group."""
+    procs = []
+
+    def run(cmd: str, shm_dir: str, *args: str) -> Proc:
+        port = str(free_port())
+        head = ["node", "--master", f"tcp://127.0.0.1:{port}"] if cmd == "node" else ["serve", "--port", port]
+        env = {"HICACHE_MC_SHM_DIR": shm_dir, "HICACHE_MC_DATA_DIR": str(tmp_path / "data")}
+        procs.append(Proc([*head, *args], str(tmp_path / f"{cmd}.log"), env, os.setsid).start())
+        return procs[-1]
+    yield run
+    for p in procs:
+        if p.alive:
+            os.killpg(p.p.pid, signal.SIGKILL)
+            p.p.wait(10)
+
+
+def _wait_for_segment(proc: Proc, shm_dir: str) -> None:
+    end = time.monotonic() + START_S
+    while not os.listdir(shm_dir):
+        assert proc.alive, proc.log()
+        assert time.monotonic() < end, "no segment file appeared"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("cmd,sig,group", [("node", signal.SIGTERM, False), ("node", signal.SIGINT, False),
+                                           ("serve", signal.SIGTERM, False), ("serve", signal.SIGINT, True)])
+def test_a_signal_during_prefault_leaves_no_segment(start, shm_dir, cmd, sig, group):
+    """Stopped while it faults in 2 GiB of DRAM (a supervisor's SIGTERM; Ctrl-C, which a
+    terminal sends to the whole process group), the node removes its segment file."""
+    proc = start(cmd, shm_dir, "--dram", "2GiB")
+    _wait_for_segment(proc, shm_dir)
+    if group:
+        os.killpg(proc.p.pid, sig)
+    else:
+        proc.p.send_signal(sig)
+    proc.p.wait(START_S)
+    end = time.monotonic() + START_S        # serve's node process may end after serve
+    while os.listdir(shm_dir) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert os.listdir(shm_dir) == [], proc.log()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def test_a_shm_dir_too_small_for_the_dram_tier_fails_the_start(start, tmp_path):
+    small = tmp_path / "shm"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        proc = start("node", str(small), "--dram", "64MiB")
+        assert proc.p.wait(START_S) != 0
+        log = proc.log()
+        assert "Traceback" not in log and "--dram" in log and str(small) in log, log
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
