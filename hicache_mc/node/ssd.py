@@ -214,7 +214,6 @@ class SsdTier:
         self.capacity = capacity
         self.high = int(capacity * high_watermark)
         self.low = int(capacity * low_watermark)
-        os.makedirs(directory, exist_ok=True)
         self._lock_fd = self._lock(directory)
         self.index: "OrderedDict[str, Rec]" = OrderedDict()   # LRU order: oldest first
         self.seg_sizes: dict[int, int] = {}                     # bytes on disk per segment
@@ -228,15 +227,18 @@ class SsdTier:
         self.writer.start()
 
     @staticmethod
-    def _lock(directory: str) -> Optional[int]:
-        """One node per folder: a second one would interleave segment numbers."""
-        path = os.path.join(directory, "LOCK")
+    def _lock(directory: str) -> int:
+        """One node per folder: a second one would interleave segment numbers. A folder this
+        process cannot create files in fails the node at start, rather than every put later."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.makedirs(directory, exist_ok=True)
+            probe = os.path.join(directory, f".probe-{os.getpid()}")
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            os.unlink(probe)
+            fd = os.open(os.path.join(directory, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            log.error("ssd tier %s is not writable (%s): serving what it holds, writing nothing",
-                      directory, exc.strerror)
-            return None
+            raise HicacheError(f"ssd_dir {directory}: {exc.strerror}; give the SSD tier a folder "
+                               "this user can write (--ssd-dir, ssd_dir)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -221,44 +221,6 @@ def test_sync_puts_fail_per_key_on_full_disk(cluster, small_disk):
     assert node.alive
 
 
-def test_read_only_folder_serves_what_it_holds(cluster, tmp_path):
-    ssd_dir = tmp_path / "ssd"
-    cluster.start_master()
-    port = free_port()
-    node = ssd_node(cluster, ssd_dir, dram="8MiB", durability="sync", port=port)
-    cluster.wait_nodes(1)
-    with StoreClient(cluster.master) as c:
-        for i in range(6):
-            assert c.put(f"ro/{i}", blob(f"ro/{i}", 512 << 10))
-    node.kill()
-    cluster.nodes.clear()
-    cluster.wait_nodes(0)
-    ro = _make_read_only(ssd_dir)
-    try:
-        node = ssd_node(cluster, ssd_dir, dram="8MiB", durability="sync", port=port)
-        cluster.wait_nodes(1)
-        with StoreClient(cluster.master) as c:
-            wait_for(lambda: c.exists("ro/0"), what="re-registration")
-            for i in range(6):
-                assert c.get(f"ro/{i}") == blob(f"ro/{i}", 512 << 10)
-            assert not c.put("ro/new", b"x" * 1000)   # sync: cannot reach disk, not acknowledged
-        assert node.alive and "not writable" in node.log()
-    finally:
-        ro()
-
-
-def _make_read_only(path):
-    """Make ``path`` unwritable for the node; returns an undo function."""
-    if os.geteuid() != 0:
-        os.chmod(path, 0o555)
-        return lambda: os.chmod(path, 0o755)
-    # root ignores permissions: bind-mount the folder read-only over itself
-    r = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot make a read-only folder as root here: {r.stderr.decode().strip()}")
-    return lambda: subprocess.run(["umount", "-l", str(path)], check=False)  # lazy: the node may still hold files
-
-
 def test_compaction_under_concurrent_reads(cluster, tmp_path):
     cluster.start_master()
     ssd_node(cluster, tmp_path / "ssd", dram="4MiB", ssd="24MiB", durability="sync", segment="2MiB")

@@ -1,6 +1,7 @@
 """A node that cannot start, or is stopped while it starts, says why and leaves no segment
 file behind (real ``hicache-mc node`` / ``serve`` processes)."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,43 @@ def start(tmp_path):
         if p.alive:
             os.killpg(p.p.pid, signal.SIGKILL)
             p.p.wait(10)
+
+
+def _read_only(path) -> callable:
+    """Make ``path`` unwritable for the node; returns an undo function."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        return lambda: os.chmod(path, 0o755)
+    # root ignores permissions: bind-mount the folder read-only over itself
+    r = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make a read-only folder as root here: {r.stderr.decode().strip()}")
+    return lambda: subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("cmd", ["node", "serve"])
+@pytest.mark.parametrize("durability", ["sync", "async"])
+@pytest.mark.parametrize("problem", ["read-only", "not a folder"])
+def test_an_unusable_ssd_dir_fails_the_start_with_one_line(start, tmp_path, shm_dir, cmd, durability, problem):
+    ssd_dir = tmp_path / "ssd"
+    undo = lambda: None  # noqa: E731
+    if problem == "read-only":
+        ssd_dir.mkdir()
+        undo = _read_only(ssd_dir)
+        reason = "ssd_dir .*ssd: .*(Read-only file system|Permission denied)"
+    else:
+        ssd_dir.write_text("a file")
+        reason = "ssd_dir .*ssd: .*(Not a directory|File exists)"
+    try:
+        proc = start(cmd, shm_dir, "--dram", "16MiB", "--ssd", "64MiB", "--ssd-dir",
+                     str(ssd_dir), "--durability", durability)
+        assert proc.p.wait(START_S) != 0
+    finally:
+        undo()
+    log = proc.log()
+    assert "Traceback" not in log, log
+    assert any(re.search(reason, line) for line in log.splitlines()), log
+    assert os.listdir(shm_dir) == []          # the DRAM segment of the failed start is gone
 
 
 def _wait_for_segment(proc: Proc, shm_dir: str) -> None:
