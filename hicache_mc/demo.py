@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import sys
 import tempfile
 import threading
 import time
@@ -17,7 +19,7 @@ import time
 import numpy as np
 
 from .client import StoreClient
-from .config import MasterConfig, NodeConfig, load_config
+from .config import MasterConfig, NodeConfig, load_config, parse_size
 from .keys import KVNamespace, batch_page_keys
 from .master.service import MasterService
 from .node.service import StorageNode
@@ -72,7 +74,19 @@ def conversations(requests: int, pages: int) -> list[list[int]]:
             for _ in range(requests)]
 
 
+def dram_needed(requests: int, pages: int) -> int:
+    """DRAM that holds every object of the stream below the node's eviction threshold."""
+    objects = 2 * (pages // 2 + requests * (pages - pages // 2))    # K and V of distinct pages
+    return math.ceil(objects * OBJECT_BYTES / NodeConfig.high_watermark)
+
+
 def run_demo(dram: str = "2GiB", requests: int = 16, pages: int = 32) -> int:
+    need = dram_needed(requests, pages)
+    if parse_size(dram, "dram") < need:
+        print(f"hicache-mc demo: {requests} requests x {pages} pages need {-(-need >> 20)} MiB of "
+              f"DRAM, more than --dram {dram}: give it --dram {-(-need >> 20)}MiB or more, or "
+              "fewer --requests / --pages", file=sys.stderr)
+        return 1
     logging.getLogger("hicache_mc").setLevel(logging.WARNING)
     ns = KVNamespace("Qwen/Qwen2.5-1.5B-Instruct", "torch.bfloat16", "page_first", PAGE,
                      0, LAYERS - 1).digest()
@@ -121,5 +135,7 @@ def run_demo(dram: str = "2GiB", requests: int = 16, pages: int = 32) -> int:
         st = b.stats()["cluster"]
         print(f"store: {st['keys']} keys, {st['used'] >> 20} MiB used of {st['capacity'] >> 20} MiB; "
               f"{st['hits']} keys found, {st['misses']} not found by lookups, {st['evicted']} evicted")
-    print("demo finished:", "OK" if bad == 0 and got == 2 * requests * pages else "FAILED")
-    return 0 if bad == 0 and got == 2 * requests * pages else 1
+    missing = 2 * requests * pages - got
+    print("demo finished:", "OK" if bad == missing == 0 else
+          f"FAILED: {missing} objects not loaded, {bad} wrong (the lines above say where)")
+    return 0 if bad == missing == 0 else 1

@@ -5,6 +5,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -120,3 +121,12 @@ def test_a_shm_dir_too_small_for_the_dram_tier_fails_the_start(start, tmp_path):
         assert os.listdir(small) == []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_the_demo_with_too_little_dram_says_why_it_failed():
+    r = subprocess.run([sys.executable, "-m", "hicache_mc.cli", "demo", "--dram", "16MiB"],
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "--dram" in out and "16MiB" in out, out       # the setting to change, and its value
+    assert "Traceback" not in out, out
