@@ -1,0 +1,173 @@
+"""deploy/ agrees with the code: its files parse, every hicache-mc command in them passes the
+real CLI parser, every HICACHE_MC_* variable names a setting, a bind beyond loopback comes
+with a token from a file, Prometheus scrapes the metrics ports the compose file sets, and the
+Grafana dashboard uses only metrics that a running master and node serve. Docker, systemd and
+Kubernetes are not needed."""
+import dataclasses
+import json
+import re
+import shlex
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hicache_mc.cli import build_parser
+from hicache_mc.config import ENV_PREFIX, ClientConfig, MasterConfig, NodeConfig
+from procs import free_port
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROLES = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+SERVICE_ROLES = {"serve": ("master", "node"), "master": ("master",), "node": ("node",)}
+
+
+def load_yaml(name: str) -> list:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d is not None]
+
+
+def check_command(argv: list[str], env: dict, where: str) -> None:
+    """``hicache-mc ARGV`` under ``env``: a server command the real parser accepts, HICACHE_MC_*
+    variables that name settings of its roles, and a token from a file for any bind beyond
+    loopback."""
+    assert argv and argv[0] in SERVICE_ROLES, f"{where}: not a server command: {argv}"
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: hicache-mc rejects {shlex.join(argv)} (see stderr)")
+    roles = {role: {f.name for f in dataclasses.fields(ROLES[role])} for role in SERVICE_ROLES[argv[0]]}
+    for name in (n for n in env if n.startswith(ENV_PREFIX)):
+        setting = name[len(ENV_PREFIX):].lower()         # HICACHE_MC_DRAM, HICACHE_MC_NODE_PORT
+        role, _, rest = setting.partition("_")
+        assert any(setting in f for f in roles.values()) or rest in roles.get(role, ()), \
+            f"{where}: {name} names no setting of hicache-mc {argv[0]}"
+    token = env.get(f"{ENV_PREFIX}TOKEN", "")
+    assert not token or token.startswith("@"), f"{where}: a literal token in HICACHE_MC_TOKEN"
+    host = args.host or env.get(f"{ENV_PREFIX}HOST") or "127.0.0.1"
+    if not host.startswith("127."):
+        assert args.token_file or token, f"{where}: binds {host} without a token file"
+
+
+def compose() -> dict:
+    return load_yaml("compose.yaml")[0]
+
+
+def compose_commands() -> dict:
+    """service -> (argv, env) of the compose services that run the hicache-mc image."""
+    return {name: (svc["command"], svc.get("environment", {}))
+            for name, svc in compose()["services"].items() if svc.get("image") == "hicache-mc:local"}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_compose_runs_a_master_and_two_nodes_with_valid_commands():
+    doc = compose()
+    commands = compose_commands()
+    assert sorted(argv[0] for argv, _ in commands.values()) == ["master", "node", "node"]
+    for name, (argv, env) in commands.items():
+        check_command(argv, env, f"compose.yaml {name}")
+        if "--token-file" in argv:
+            assert doc["secrets"], "the token file comes from a compose secret"
+            assert flag(argv, "--token-file").startswith("/run/secrets/")
+    assert {"prometheus", "grafana"} <= set(doc["services"])
+    for name, (argv, _) in commands.items():      # a node's DRAM segment needs room in /dev/shm
+        if argv[0] == "node":
+            assert doc["services"][name]["shm_size"]
+
+
+def test_prometheus_scrapes_the_metrics_ports_of_the_compose_file():
+    expected = set()
+    for name, (argv, env) in compose_commands().items():
+        port = flag(argv, "--metrics-port" if argv[0] == "master" else "--node-metrics-port")
+        expected.add(f"{name}:{port}")
+        assert env.get("HICACHE_MC_METRICS_HOST") == "0.0.0.0", f"{name}: metrics only on its loopback"
+    prometheus = load_yaml("prometheus.yml")[0]
+    targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    assert targets == expected
+    assert compose()["services"]["prometheus"]["volumes"][0].startswith("./prometheus.yml:")
+
+
+def test_kubernetes_manifests_parse_and_their_commands_are_valid():
+    docs = load_yaml("kubernetes.yaml")
+    kinds = {d["kind"]: d for d in docs}
+    assert {"Deployment", "Service", "DaemonSet"} <= set(kinds)
+    runs = {}
+    for kind in ("Deployment", "DaemonSet"):
+        for c in kinds[kind]["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+            check_command(c["args"], env, f"kubernetes.yaml {kind} {c['name']}")
+            runs[c["args"][0]] = c
+    master, node = runs["master"], runs["node"]
+    # readiness: a TCP check on the port the command sets (the node's stream port opens last)
+    assert master["readinessProbe"]["tcpSocket"]["port"] == int(flag(master["args"], "--port"))
+    assert node["readinessProbe"]["tcpSocket"]["port"] == int(flag(node["args"], "--data-port"))
+    service_ports = {p["targetPort"] for p in kinds["Service"]["spec"]["ports"]}
+    assert int(flag(master["args"], "--port")) in service_ports
+    assert flag(node["args"], "--master").endswith(
+        f"{kinds['Service']['metadata']['name']}.{kinds['Service']['metadata']['namespace']}:"
+        f"{flag(master['args'], '--port')}")
+
+
+def test_dockerfile_and_systemd_units_run_valid_commands():
+    text = (DEPLOY / "Dockerfile").read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (.*)$", text, re.M).group(1))
+    cmd = json.loads(re.search(r"^CMD (.*)$", text, re.M).group(1))
+    assert entry == ["hicache-mc"]
+    check_command(cmd, {}, "Dockerfile CMD")
+    runs = [line for line in text.splitlines() if line.startswith("RUN ")]
+    assert any("requirements/base.txt -c requirements/constraints.txt" in line for line in runs)
+    assert not any(re.search(r"torch|sglang|mooncake", line) for line in runs)   # a CPU image
+    units = sorted((DEPLOY / "systemd").glob("*.service"))
+    assert [u.name for u in units] == ["hicache-mc-master.service", "hicache-mc-node.service"]
+    for unit in units:
+        lines = unit.read_text().replace("\\\n", " ").splitlines()
+        env = dict(line.split("=", 1)[1].split("=", 1) for line in lines if line.startswith("Environment="))
+        exec_start = [shlex.split(line.split("=", 1)[1]) for line in lines if line.startswith("ExecStart=")]
+        assert len(exec_start) == 1 and exec_start[0][0].endswith("/hicache-mc"), unit.name
+        check_command(exec_start[0][1:], env, unit.name)
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _names(text: str) -> set[str]:
+    """Metric names of an exposition: families (with a histogram's series) and samples."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()[:4]
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, 1)[0])
+    return names
+
+
+def test_the_dashboard_uses_metrics_a_master_and_a_node_serve(cluster, tmp_path):
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "hicache-mc.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\bhicache_mc_\w+", e)}
+    assert len(used) >= 20
+    master_port, node_port = free_port(), free_port()
+    cluster.start_master(args=("--metrics-port", str(master_port)))
+    cluster.add_node(args=("--node-metrics-port", str(node_port), "--ssd", "64MiB",
+                           "--ssd-dir", str(tmp_path / "ssd")))
+    cluster.wait_nodes(1)
+    end = time.monotonic() + 30           # the services refresh their metrics once a second
+    while True:
+        try:
+            served = _names(_scrape(master_port)) | _names(_scrape(node_port))
+        except OSError:
+            served = set()
+        if "hicache_mc_node_ssd_capacity_bytes" in served and "hicache_mc_master_nodes" in served:
+            break
+        assert time.monotonic() < end, "no metrics from the master and the node"
+        time.sleep(0.2)
+    assert sorted(used - served) == []
