@@ -5,8 +5,9 @@ output under the content hash, the others ``get`` it back instead of running the
 Python program can use it; ``hicache_mc.sglang.embedding_store`` plugs it into SGLang.
 
 Objects of one content hash, under a namespace that ``keys.embedding_namespace`` derives from
-(model, encoder version, dtype, tenant) and that starts with ``emb-`` (KV namespaces are hex, so
-the two never meet; same store, same tiers, same LRU):
+(model, encoder version, dtype, tenant), or a name of the caller's; either starts with ``emb-``
+(a given name gets it prefixed; KV namespaces are hex, so the two never meet; same store, same
+tiers, same LRU):
 
 - ``<ns>/<hash>/meta``: a 128-byte header: magic, dtype name, shape, payload bytes;
 - ``<ns>/<hash>/<dtype>/<d0>x<d1>...``: the tensor's bytes and nothing else, so a raw
@@ -132,9 +133,11 @@ class EmbeddingCache:
                                  "encoder_version=, dtype=, tenant=) to derive one")
             dt = dtype_name(dtype) if dtype is not None else None
             namespace = embedding_namespace(model, encoder_version, dt, tenant)
-        if not isinstance(namespace, str) or not namespace.startswith("emb-") or "/" in namespace:
-            raise ValueError(f"namespace {namespace!r}: embedding namespaces start with 'emb-' and "
-                             f"hold no '/' (hicache_mc.keys.embedding_namespace makes them)")
+        if not isinstance(namespace, str) or not namespace or "/" in namespace:
+            raise ValueError(f"namespace {namespace!r}: a name without '/' (or let "
+                             f"hicache_mc.keys.embedding_namespace derive one from model=)")
+        if not namespace.startswith("emb-"):    # never a KV namespace (those are hex)
+            namespace = "emb-" + namespace
         if client is not None and (master is not None or options):
             raise ValueError("give either client= or master=/client options, not both")
         self.namespace = namespace

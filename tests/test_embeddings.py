@@ -180,8 +180,15 @@ def test_namespaces_do_not_share(master):
 
 def test_embedding_namespaces_never_equal_kv_namespaces(master):
     kv = KVNamespace("org/vlm-a", "torch.bfloat16", "page_first", 64).digest()
-    with pytest.raises(ValueError, match="start with 'emb-'"):
-        EmbeddingCache(master, namespace=kv)
+    with EmbeddingCache(master, namespace=kv) as named:      # any name: prefixed, never a KV one
+        assert named.namespace == "emb-" + kv
+    with EmbeddingCache(master, namespace="my-encoder") as mine:
+        t = torch.arange(8, dtype=torch.float32)
+        assert mine.namespace == "emb-my-encoder" and mine.put("img", t)
+        assert same_bytes(mine.get("img"), t)
+        mine.clear()
+    with pytest.raises(ValueError, match="without '/'"):
+        EmbeddingCache(master, namespace="a/b")
     with pytest.raises(ValueError, match="without '/'"):
         fresh(master).put("a/b", torch.ones(2))
     with pytest.raises(ValueError, match="namespace="):
