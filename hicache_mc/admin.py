@@ -87,6 +87,7 @@ def format_stats(stats: dict) -> str:
                      f"{_mib(n.get('used', 0)):>7}/{_mib(n['capacity']):<7}{ssd:>15}"
                      f"{n.get('evictions', 0):>8}{n.get('ssd_demotions', 0):>8}{n.get('ssd_promotions', 0):>8}"
                      f"{n.get('ssd_compactions', 0):>8}{n.get('ssd_corrupt', 0):>8}{n.get('age_s', 0):>7.1f}")
+    lines += [f"DEGRADED {n['node_id']}: {n['degraded']}" for n in stats["nodes"] if n.get("degraded")]
     if stats.get("tenants"):
         lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}"]
         for t, row in sorted(stats["tenants"].items()):

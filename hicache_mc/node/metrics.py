@@ -20,6 +20,9 @@ def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
         if key in st:
             fams.append(GaugeMetricFamily(f"hicache_mc_node_{name}", help_, labels=["node"]))
             fams[-1].add_metric([node], st[key])
+    fams.append(GaugeMetricFamily("hicache_mc_node_degraded", "1 while a tier of the node is "
+                                  "unusable (its stats' degraded says why)", labels=["node"]))
+    fams[-1].add_metric([node], 1 if st.get("degraded") else 0)
     counters = {"evictions": "objects evicted from DRAM", "reads": "keys asked for",
                 "read_hits": "keys served", "writes": "objects committed",
                 "bytes_in": "object bytes written",

@@ -370,7 +370,10 @@ class StorageNode(Service):
         return node_families(self.node_id, self.stats(), self.rejected, self.latency)
 
     def readiness(self) -> tuple[bool, str]:
-        return self.epoch is not None, f"not registered with the master at {self.config.master}"
+        if self.epoch is None:
+            return False, f"not registered with the master at {self.config.master}"
+        problem = self.store.writeback.problem
+        return not problem, f"degraded: {problem}"
 
     def on_NodeStatsRequest(self, msg, ident, req_id):
         return P.StatsReply({"node_id": self.node_id, **self.stats()})

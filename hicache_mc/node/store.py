@@ -330,6 +330,7 @@ class TieredStore:
             st["objects_total"] = st["objects"]
         st["tenants"] = top_tenants(self.usage)
         st["quota_evictions"] = self.quota_evictions
+        st["degraded"] = self.writeback.problem     # "" while every tier works
         return st
 
     def close(self) -> None:

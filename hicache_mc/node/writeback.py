@@ -62,6 +62,7 @@ class WriteBack:
         self._lost = lost               # an SSD record found damaged: the store drops it
         self._next_fsync = 0.0
         self._disk_ok = True
+        self.problem = ""           # why the SSD tier is unusable now ("" while it is fine)
         self._disk_retry_at = 0.0
         self._quiet_until = 0.0
         self._demoting = False
@@ -212,9 +213,11 @@ class WriteBack:
                           "go on", job.error)
                 self._quiet_until = now + ERROR_LOG_INTERVAL_S
             self._disk_ok = False
+            self.problem = f"ssd tier unusable ({job.error})"[:200]
         elif not job.error and job.result and not self._disk_ok:
             log.info("ssd tier writable again")
             self._disk_ok = True
+            self.problem = ""
         if job.error:
             self.ssd.counters["write_errors"] += 1
         self.dram.drop_dirty = not self._disk_ok   # with no disk to demote to, drop like a cache

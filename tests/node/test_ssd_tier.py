@@ -5,6 +5,8 @@ import resource
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -180,6 +182,11 @@ def small_disk(tmp_path):
         yield d, _limit_file_size
 
 
+def _http(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
 def test_full_disk_drops_instead_of_demoting_and_keeps_serving(cluster, small_disk):
     folder, preexec = small_disk
     cluster.start_master()
@@ -191,6 +198,15 @@ def test_full_disk_drops_instead_of_demoting_and_keeps_serving(cluster, small_di
         for k in keys:
             assert c.put(k, blob(k, 512 << 10))     # async: acknowledged from DRAM
         wait_for(lambda: node_stats(cluster).get("ssd_write_errors", 0) >= 1, what="disk error")
+        # visible: in the node's stats as the master shows them, its metrics and its /ready
+        wait_for(lambda: "ssd tier unusable" in node_stats(cluster).get("degraded", ""),
+                 what="degraded in stats")
+        url = node_stats(cluster)["metrics_url"]
+        wait_for(lambda: any(line.startswith("hicache_mc_node_degraded{") and line.endswith(" 1.0")
+                             for line in _http(url).splitlines()), what="degraded in the metrics")
+        with pytest.raises(urllib.error.HTTPError) as ready:
+            _http(url.replace("/metrics", "/ready"))
+        assert ready.value.code == 503 and b"ssd tier unusable" in ready.value.read()
         assert c.put("full/after", b"still serving")  # DRAM drops like a cache instead
         assert c.get("full/after") == b"still serving"
         survivors = [k for k in keys if c.exists(k)]
