@@ -20,8 +20,11 @@ class Grant(NamedTuple):
 
 
 class Grants:
+    PURGE_S = 1.0       # lapsed grants are dropped this often (a grant is checked for expiry anyway)
+
     def __init__(self):
         self._g: dict[tuple[Principal, int], Grant] = {}
+        self._next_purge = 0.0
 
     def __len__(self) -> int:
         return len(self._g)
@@ -59,6 +62,9 @@ class Grants:
         return None
 
     def purge(self, now: float) -> None:
-        """Drop lapsed grants (the loop thread, about once a second)."""
+        """Drop lapsed grants (the loop thread calls it every turn; it works once a second)."""
+        if now < self._next_purge:
+            return
+        self._next_purge = now + self.PURGE_S
         for k in [k for k, g in list(self._g.items()) if g.expires <= now]:
             self._g.pop(k, None)

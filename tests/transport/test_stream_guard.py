@@ -280,3 +280,19 @@ def test_authenticated_connections_are_capped(server, monkeypatch):
     finally:
         for s in peers:
             s.close()
+
+
+def test_lapsed_grants_are_refused_and_purged():
+    grants, who = Grants(), ADMIN.principal
+    grants.grant(who, LOW, 100, False, expires=10.0)
+    assert grants.refused(who, [(LOW, 100)], False, now=5.0) is None
+    assert grants.refused(who, [(LOW, 100)], True, now=5.0) == (LOW, 100)       # not a write
+    assert grants.refused(who, [(LOW, 101)], False, now=5.0) == (LOW, 101)      # past its end
+    assert grants.refused(who, [(LOW, 100)], False, now=10.0) == (LOW, 100)     # lapsed
+    grants.purge(now=11.0)
+    assert len(grants) == 0
+    grants.grant(who, LOW, 100, False, expires=11.5)
+    grants.purge(now=11.8)          # within a second of the last purge: kept until the next
+    assert len(grants) == 1
+    grants.purge(now=12.5)
+    assert len(grants) == 0
