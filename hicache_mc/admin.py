@@ -31,11 +31,10 @@ def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: s
     """One request to the master (or the node at ``address``); its reply, or a HicacheError
     whose text is the one line the CLI prints."""
     import zmq
-    from .errors import HicacheError, StoreUnavailable
+    from .errors import StoreUnavailable
     from .rpc import Channel
     address = address or config.master
-    ctx = zmq.Context()
-    ch = Channel(ctx, address, config.token)
+    ch = Channel(zmq.Context.instance(), address, config.token)     # the one StoreClient uses
     try:
         return ch.call(msg, timeout_s)
     except StoreUnavailable as exc:
@@ -46,7 +45,6 @@ def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: s
         raise HicacheError(f"{what} at {address} refused the request: {exc}") from None
     finally:
         ch.close()
-        ctx.term()
 
 
 def cmd_stats(args) -> int:
