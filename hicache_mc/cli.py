@@ -28,7 +28,8 @@ def _master_config(args) -> MasterConfig:
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
     return load_config(NodeConfig, file=args.config, section="node", master=master or args.master,
-                       host=args.host, port=args.node_port, dram=args.dram, token=token_arg(args),
+                       host=args.host, advertise_host=args.advertise_host, port=args.node_port,
+                       dram=args.dram, token=token_arg(args),
                        node_id=args.node_id, ssd=args.ssd, ssd_dir=args.ssd_dir,
                        durability=args.durability, metrics_port=args.node_metrics_port,
                        te_protocol=args.te_protocol, data_port=args.data_port)
@@ -36,6 +37,8 @@ def _node_config(args, master: Optional[str] = None) -> NodeConfig:
 
 def node_options(sp) -> None:
     sp.add_argument("--node-id")
+    sp.add_argument("--advertise-host", help="the address clients dial to reach the node (default: "
+                    "--host; for 0.0.0.0, this host's address on its route to the master)")
     sp.add_argument("--dram", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
     sp.add_argument("--ssd", help="SSD tier size, e.g. 100GiB (default 0: no SSD tier)")
     sp.add_argument("--ssd-dir", help="SSD tier folder (default <data_dir>/ssd)")

@@ -81,6 +81,9 @@ class NodeConfig:
     """A storage node: DRAM tier and data plane."""
     master: str = DEFAULT_MASTER
     host: str = "127.0.0.1"            # bind address of the data plane
+    # the address clients dial, published to the master ("" = host; for a wildcard host, the
+    # address of this host's route to the master)
+    advertise_host: str = ""
     port: int = 0                      # 0 = any free port (reported to the master)
     data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
     node_id: str = ""                  # "" = derived, kept across restarts (node/naming.py)

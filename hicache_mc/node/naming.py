@@ -47,6 +47,18 @@ def node_name(config: NodeConfig, port: int) -> tuple[str, Optional[int]]:
     return f"{host}:{port}", None
 
 
+def advertised_host(config: NodeConfig) -> str:
+    """The host part of the addresses the node publishes: ``advertise_host``, else the bind
+    address, else (a wildcard bind, which no client can dial) the address of this host's
+    route to the master."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host not in WILDCARDS:
+        return config.host
+    from ..transport.mooncake import route_address     # plain sockets; mooncake is not imported
+    return route_address(config.master)
+
+
 def _lock(path: str) -> Optional[int]:
     """An exclusive lock on ``path`` (created), or None when another process holds it or the
     folder cannot be written."""

@@ -37,7 +37,7 @@ from ..transport.grants import Grants
 from ..transport.stream import StreamServer
 from .dram import HEADER_BYTES, DramTier
 from .metrics import node_families
-from .naming import node_name
+from .naming import advertised_host, node_name
 from .ssd import SsdTier
 from .pending import PendingWrite
 from .store import TieredStore
@@ -89,7 +89,8 @@ class StorageNode(Service):
         self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
         self.segment_id = seg_id
         self.dram = dram
-        self.te = self._transfer_engine(config, dram)
+        host = advertised_host(config)      # the host part of every address the node publishes
+        self.te = self._transfer_engine(config, dram, host)
         self.grants = Grants()      # what each peer may move through the stream port
         try:
             self.streams = StreamServer(dram.mm, config.host, config.data_port, HEADER_BYTES, seg_id,
@@ -99,11 +100,13 @@ class StorageNode(Service):
                 self.te.close()
             dram.close()
             raise
-        self.info = P.NodeInfo(self.node_id, self.address, host_identity(), path, config.dram,
+        port = self.address.rsplit(":", 1)[1]
+        self.info = P.NodeInfo(self.node_id, f"tcp://{host}:{port}", host_identity(), path,
+                               config.dram,
                                config.prefault, te_address=self.te.address if self.te else "",
                                te_base=self.te.base if self.te else 0,
                                te_protocol=config.te_protocol,
-                               data_address=self.streams.address)
+                               data_address=f"{host}:{self.streams.address.rsplit(':', 1)[1]}")
         self.master = secure_client(self.ctx.socket(zmq.DEALER),
                                     issue(config.token, "node") if config.token else None)
         # nothing is queued for a master that is not connected: a send fails at once (and the
@@ -125,7 +128,7 @@ class StorageNode(Service):
         self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0}
 
     @staticmethod
-    def _transfer_engine(config: NodeConfig, dram: DramTier):
+    def _transfer_engine(config: NodeConfig, dram: DramTier, host: str):
         """With ``te_protocol`` set: a Mooncake TE serving the whole DRAM segment to remote
         clients (one-sided reads and writes under the same leases and reservations as shm).
         A TE that cannot start fails the node: an explicit setting is never silently dropped."""
@@ -133,7 +136,7 @@ class StorageNode(Service):
             return None
         from ..transport.mooncake import NodeEngine
         try:
-            return NodeEngine(dram.mm, config.host, config.te_protocol, config.te_device,
+            return NodeEngine(dram.mm, host, config.te_protocol, config.te_device,
                               config.te_metadata)
         except Exception:
             dram.close()
