@@ -69,9 +69,13 @@ def cmd_stats(args) -> int:
         time.sleep(args.watch)
 
 
+def n_nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
 def format_stats(stats: dict) -> str:
     """The at-a-glance table of ``hicache-mc stats``."""
-    lines = [f"master {stats['epoch']} (hicache-mc {stats.get('version', '?')}): {stats['keys']} keys on {len(stats['nodes'])} nodes, "
+    lines = [f"master {stats['epoch']} (hicache-mc {stats.get('version', '?')}): {stats['keys']} keys on {n_nodes(len(stats['nodes']))}, "
              f"DRAM {_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used",
              f"lookups {stats['hits']} hits / {stats['misses']} misses; placed {stats['placed']}, "
              f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}, "
@@ -140,9 +144,9 @@ def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, pr
                                                                         circuit_open_s=0))
                     if not probe or _probe(client):
                         return True, (f"master {config.master} (hicache-mc {stats.get('version', '?')}), "
-                                      f"{len(ids)} nodes live ({', '.join(ids)})"
+                                      f"{n_nodes(len(ids))} live ({', '.join(ids)})"
                                       + (", a probe put succeeded" if probe else ""))
-                    why = f"{len(ids)} nodes live, but a probe put failed (see the nodes' logs)"
+                    why = f"{n_nodes(len(ids))} live, but a probe put failed (see the nodes' logs)"
             except HicacheError as exc:
                 why = str(exc)
             if time.monotonic() >= end or stop.wait(0.25):

@@ -53,7 +53,7 @@ def test_client_commands_read_the_master_and_the_token_from_env_or_config_file(s
     host_port = secured.master.removeprefix("tcp://")           # Mooncake's habit
     r = cli("stats", env={"HICACHE_MC_MASTER": host_port, "HICACHE_MC_TOKEN": f"@{secured.cred_file}"})
     assert r.returncode == 0, r.stderr
-    assert "on 1 nodes" in r.stdout and f"(hicache-mc {hicache_mc.__version__})" in r.stdout
+    assert "on 1 node," in r.stdout and f"(hicache-mc {hicache_mc.__version__})" in r.stdout
     conf = tmp_path / "client.toml"
     conf.write_text(f'[client]\nmaster = "{host_port}"\ntoken = "@{secured.token_file}"\n')
     r = cli("stats", "--json", "--config", str(conf))
