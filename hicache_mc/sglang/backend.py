@@ -5,9 +5,12 @@ Lifecycle, as SGLang's controller drives it (see docs/sglang.md):
 1. ``HiCacheMC(storage_config, {})`` from ``StorageBackendFactory`` (``hicache_mc`` or ``dynamic``):
    settings from ``storage_config.extra_config``; a bad or unknown key fails start-up.
 2. ``register_mem_pool_host(pool)``: probe the page geometry, fix the key namespace, refuse
-   unsupported pools or layouts with a clear error.
-3. Concurrently: ``batch_exists`` (prefetch thread), ``batch_get_v1`` (prefetch I/O thread),
-   ``batch_set_v1`` (backup thread), ``get_stats`` / ``clear`` (scheduler thread).
+   unsupported pools or layouts with a clear error (a pool without ``kv_buffer`` is a logical
+   anchor: no KV bytes). Hybrid models: ``register_mem_host_pool_v2(pool, name)`` per side pool,
+   then ``on_host_pools_registered()`` (``hybrid.py``).
+3. Concurrently: ``batch_exists`` / ``batch_exists_v2`` (prefetch thread), ``batch_get_v1`` /
+   ``batch_get_v2`` (prefetch I/O thread), ``batch_set_v1`` / ``batch_set_v2`` (backup thread),
+   ``get_stats`` / ``clear`` (scheduler thread).
 4. ``close()`` on detach.
 
 From step 3 on nothing raises into SGLang and nothing returns ``None`` where SGLang expects a
@@ -24,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 from ..direct import kv_namespace
 from ..keys import batch_page_keys
+from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
 from .settings import load_settings
@@ -32,8 +36,8 @@ from .staging import ChunkStager, fold_parts
 logger = logging.getLogger("hicache_mc.sglang")
 
 
-class HiCacheMC(HiCacheStorage):
-    """SGLang ``HiCacheStorage`` backed by a hicache-mc cluster (zero-copy v1 path)."""
+class HiCacheMC(HybridPools, HiCacheStorage):
+    """SGLang ``HiCacheStorage`` backed by a hicache-mc cluster (zero-copy v1 and v2 paths)."""
 
     def __init__(self, storage_config, kwargs: Optional[dict] = None):
         from ..client import StoreClient
@@ -46,6 +50,8 @@ class HiCacheMC(HiCacheStorage):
         self.geometry: Optional[PageGeometry] = None
         self.namespace: Optional[str] = None
         self._stager: Optional[ChunkStager] = None
+        self.side_pools: dict = {}          # v2 side pools by name (hybrid.py)
+        self.logical_anchor = False
         self.is_writer = bool(getattr(storage_config, "is_storage_writer",
                                       not storage_config.is_mla_model or storage_config.tp_rank == 0))
         if getattr(storage_config, "should_split_heads", False):
@@ -72,6 +78,11 @@ class HiCacheMC(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Record the host pool, its page geometry and the key namespace; refuse what we can't store."""
         super().register_mem_pool_host(mem_pool_host)
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
+            # A logical anchor (DeepSeek-V4) only numbers the slots its side pools share.
+            self.logical_anchor = True
+            logger.info("hicache_mc: logical KV anchor (no KV bytes); side pools hold the pages")
+            return
         geo = describe_pool(mem_pool_host)
         if not geo.zero_copy:
             self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
@@ -96,14 +107,6 @@ class HiCacheMC(HiCacheStorage):
             register(ptr, size)
         except Exception as exc:
             self.episodes.failed("register_buffer", exc)
-
-    def on_host_pools_registered(self) -> None:
-        """Refuse hybrid-model sidecar pools (Mamba, SWA, indexer): only KV pages are stored."""
-        extra = [str(name) for name, pool in getattr(self, "registered_pools", {}).items()
-                 if pool is not getattr(self, "mem_pool_host", None) and str(name) != "kv"]
-        if extra:
-            raise ValueError(f"hicache_mc stores KV pages only; sidecar pools {extra} "
-                             f"(hybrid models) are not supported")
 
     def _namespace(self, pool, geo: PageGeometry) -> str:
         # One derivation for this adapter and the GPU-direct path (hicache_mc.direct), so a page
@@ -151,6 +154,8 @@ class HiCacheMC(HiCacheStorage):
         n = len(keys)
         if n == 0:
             return []
+        if self.logical_anchor:   # no KV bytes: the side pools' v2 calls carry the data
+            return [True] * n
         try:
             start = time.perf_counter()
             ptrs, sizes = self._page_ptrs(n, host_indices)
@@ -175,7 +180,9 @@ class HiCacheMC(HiCacheStorage):
         n = len(keys)
         if n == 0:
             return []
-        if not self.is_writer:  # MLA: one copy serves every rank; the writer rank stores it
+        if not self.is_writer or self.logical_anchor:
+            # MLA: one copy serves every rank, the writer rank stores it; a logical anchor has
+            # no KV bytes (its side pools are stored through batch_set_v2)
             return [True] * n
         try:
             start = time.perf_counter()
@@ -286,14 +293,14 @@ class HiCacheMC(HiCacheStorage):
     # ------------------------------------------------------------------ admin
 
     def clear(self) -> None:
-        """Remove this deployment's pages (its namespace only) from the store."""
-        if self.namespace is None:
-            return
-        try:
-            removed = self.client.clear(prefix=f"{self.namespace}/")
-            logger.info("hicache_mc: cleared %d objects of namespace %s", removed, self.namespace)
-        except Exception as exc:
-            self.episodes.failed("clear", exc)
+        """Remove this deployment's pages (its KV and side-pool namespaces only) from the store."""
+        spaces = [self.namespace] + [p.namespace for p in self.side_pools.values()]
+        for ns in filter(None, spaces):
+            try:
+                removed = self.client.clear(prefix=f"{ns}/")
+                logger.info("hicache_mc: cleared %d objects of namespace %s", removed, ns)
+            except Exception as exc:
+                self.episodes.failed("clear", exc)
 
     def get_stats(self):
         """SGLang StorageMetrics since the last call (pages and GB/s per batch)."""
