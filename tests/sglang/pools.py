@@ -98,3 +98,52 @@ def zero_pages(pool, idx: torch.Tensor) -> None:
     for s in idx[::pool.page_size].tolist():
         flat = pool.get_data_page(s, flat=True)
         pool.set_from_flat_data_page(s, torch.zeros_like(flat))
+
+
+def mamba_host(layers: int = 2, slots: int = 16, conv_shapes=((8, 3), (4, 3)),
+               temporal_shape=(2, 8, 8), dtype=torch.bfloat16, temporal_dtype=torch.float32,
+               layout: str = "page_first", extra_state: bool = False):
+    """A real Mamba state host pool (Qwen3-Next shaped, scaled down): one slot per state, one
+    temporal (SSM) state and one object per conv state, per layer."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros((layers, slots, *temporal_shape), dtype=temporal_dtype),
+        conv=tuple(torch.zeros((layers, slots, *s), dtype=dtype) for s in conv_shapes),
+        extra_checkpoint_buffers=(torch.zeros((slots, 4), dtype=torch.int32),) if extra_state
+        else ())
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                         layout=layout)
+
+
+def swa_host(layout: str = "page_first", page_size: int = 16, layers: int = 2,
+             tokens: int = 128, **kw) -> MHATokenToKVPoolHost:
+    """The SWA side pool of a sliding-window model: an MHA host pool over the SWA layers."""
+    return mha_host(layout, page_size=page_size, layers=layers, tokens=tokens, **kw)
+
+
+def logical_anchor(page_size: int = 16, tokens: int = 256):
+    """DeepSeek-V4's KV anchor: page-aligned slots, no KV bytes."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+    return LogicalHostPool(tokens, page_size)
+
+
+def make_hybrid_backend(master: str, anchor, side: dict, *, mla: bool = False, **kw):
+    """HiCacheMC through SGLang's factory with ``anchor`` as the KV pool and ``side``
+    ({PoolName: host pool}) registered the way HybridCacheController.attach_storage_backend does."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    cfg = storage_config(master, mla=mla, layout=anchor.layout, **kw)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, anchor)
+    backend.register_mem_pool_host(anchor)
+    backend.register_mem_host_pool_v2(anchor, PoolName.KV)
+    for name, pool in side.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def shuffled_slots(pool, pages: int, seed: int = 0) -> torch.Tensor:
+    """``pages`` host pages whose slots are handed over in a shuffled page order."""
+    idx = slots(pool, pages)
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))
+    return idx.view(pages, pool.page_size)[order].reshape(-1)

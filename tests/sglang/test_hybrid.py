@@ -1,0 +1,221 @@
+"""HiCacheMC's v2 API (hybrid models) with SGLang's real host pools on CPU and a real store."""
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName, PoolTransfer,
+                                                  PoolTransferResult)
+
+from pools import (fill_random, make_hybrid_backend, mamba_host, mha_host,
+                   mla_host, page_bytes, page_hashes, shuffled_slots, slots, swa_host)
+
+TRAIL, ALL, GROUPS = (PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES,
+                      PoolHitPolicy.BLOCK_GROUPS)
+
+
+class Calls:
+    """Counts the store calls a backend makes (one per batch is the contract)."""
+
+    def __init__(self, backend):
+        self.n: dict[str, int] = {}
+        for name in ("batch_put_from", "batch_get_into", "batch_contains", "batch_exists"):
+            setattr(backend.client, name, self._wrap(name, getattr(backend.client, name)))
+
+    def _wrap(self, name, fn):
+        def call(*a, **kw):
+            self.n[name] = self.n.get(name, 0) + 1
+            return fn(*a, **kw)
+        return call
+
+
+def _same_pages(pool, want, dst):
+    got = page_bytes(pool, dst)
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+# ------------------------------------------------------------------ round trips
+
+SIDE_POOLS = {
+    "mamba-page_first": lambda: (PoolName.MAMBA, mamba_host(layout="page_first")),
+    "mamba-page_first_direct": lambda: (PoolName.MAMBA, mamba_host(layout="page_first_direct")),
+    "mamba-conv_only": lambda: (PoolName.MAMBA, mamba_host(temporal_shape=(0,))),
+    "mamba-side_state(flat)": lambda: (PoolName.MAMBA, mamba_host(extra_state=True)),
+    "swa-mha-page_first": lambda: (PoolName.SWA, swa_host("page_first")),
+    "swa-mha-layer_first": lambda: (PoolName.SWA, swa_host("layer_first")),
+    "swa-mha-page_head": lambda: (PoolName.SWA, swa_host("page_head")),
+    "draft_swa-mha": lambda: (PoolName.DRAFT_SWA, swa_host("page_first_direct", layers=1)),
+    "draft-mla": lambda: (PoolName.DRAFT, mla_host("page_first", layers=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SIDE_POOLS))
+def test_side_pool_round_trip_into_shuffled_poisoned_slots(shared_store, case):
+    name, pool = SIDE_POOLS[case]()
+    kv = mha_host("page_first")
+    backend = make_hybrid_backend(shared_store.master, kv, {name: pool})
+    side = backend.side_pools[str(name)]
+    assert side.geo.zero_copy == ("flat" not in case)
+    keys = page_hashes(3, kv.page_size)
+    src, dst = shuffled_slots(pool, 3, seed=1), shuffled_slots(pool, 3, seed=2)
+    fill_random(pool, src, seed=3)
+    fill_random(pool, dst, seed=4)                          # poison
+    want = page_bytes(pool, src)
+    put = backend.batch_set_v2([PoolTransfer(name, host_indices=src, keys=keys)])
+    assert put == {name: [True] * 3}
+    fill_random(pool, src, seed=5)                          # no lazy reads of host memory
+    got = backend.batch_get_v2([PoolTransfer(name, host_indices=dst, keys=keys)])
+    assert got == {name: [True] * 3}
+    _same_pages(pool, want, dst)
+    backend.close()
+
+
+def test_all_pools_of_a_batch_move_in_one_store_call(shared_store):
+    kv, mamba, swa = mha_host("page_first"), mamba_host(), swa_host("page_first")
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: mamba,
+                                                            PoolName.SWA: swa})
+    calls = Calls(backend)
+    keys = page_hashes(4, kv.page_size)
+    m_src, s_src = shuffled_slots(mamba, 2, 1), shuffled_slots(swa, 3, 2)
+    m_dst, s_dst = shuffled_slots(mamba, 2, 3), shuffled_slots(swa, 3, 4)
+    for pool, idx, seed in ((mamba, m_src, 5), (swa, s_src, 6), (mamba, m_dst, 7), (swa, s_dst, 8)):
+        fill_random(pool, idx, seed)
+    want_m, want_s = page_bytes(mamba, m_src), page_bytes(swa, s_src)
+    transfers = [PoolTransfer(PoolName.MAMBA, host_indices=m_src, keys=[keys[1], keys[3]]),
+                 PoolTransfer(PoolName.SWA, host_indices=s_src, keys=keys[1:])]
+    assert backend.batch_set_v2(transfers) == {PoolName.MAMBA: [True, True],
+                                               PoolName.SWA: [True, True, True]}
+    assert calls.n == {"batch_put_from": 1}
+    got = backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=m_dst, keys=[keys[1], keys[3]]),
+                                PoolTransfer(PoolName.SWA, host_indices=s_dst, keys=keys[1:])])
+    assert got == {PoolName.MAMBA: [True, True], PoolName.SWA: [True, True, True]}
+    assert calls.n == {"batch_put_from": 1, "batch_get_into": 1}
+    _same_pages(mamba, want_m, m_dst)
+    _same_pages(swa, want_s, s_dst)
+    backend.close()
+
+
+def test_get_v2_reports_missing_pages_per_pool(shared_store):
+    kv, mamba = mha_host("page_first"), mamba_host()
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: mamba})
+    keys = page_hashes(3, kv.page_size)
+    idx = shuffled_slots(mamba, 3)
+    fill_random(mamba, idx, 1)
+    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=idx[1:2],
+                                              keys=keys[1:2])]) == {PoolName.MAMBA: [True]}
+    got = backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=idx, keys=keys)])
+    assert got == {PoolName.MAMBA: [False, True, False]}
+    backend.close()
+
+
+# ------------------------------------------------------------------ namespaces
+
+def test_pools_never_share_keys_and_another_shape_is_a_miss(shared_store):
+    keys = page_hashes(2, 16)
+    kv = mha_host("page_first")
+    swa = mha_host("page_first")                            # same shape as the KV pool
+    mamba = mamba_host()
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.SWA: swa,
+                                                            PoolName.MAMBA: mamba})
+    idx = slots(kv, 2)
+    fill_random(kv, idx, 1)
+    assert backend.batch_set_v1(keys, idx) == [True, True]
+    trail = [PoolTransfer(PoolName.SWA, keys=keys, hit_policy=TRAIL)]
+    assert backend.batch_exists_v2(keys, trail).kv_hit_pages == 0     # KV bytes are not SWA's
+    m_idx = slots(mamba, 1)
+    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=m_idx,
+                                              keys=keys[1:])])[PoolName.MAMBA] == [True]
+    mamba_q = [PoolTransfer(PoolName.MAMBA, keys=keys[1:], hit_policy=TRAIL)]
+    assert backend.batch_exists_v2(keys, mamba_q).restorable_prefix_pages == [2]
+    backend.close()
+
+    def restorable(**mamba_kw):
+        other = make_hybrid_backend(shared_store.master, mha_host("page_first"),
+                                    {PoolName.MAMBA: mamba_host(**mamba_kw)})
+        try:
+            return other.batch_exists_v2(keys, mamba_q).restorable_prefix_pages
+        finally:
+            other.close()
+
+    assert restorable() == [2]                                        # same deployment
+    assert restorable(conv_shapes=((8, 4), (4, 3))) == []             # other conv state shape
+    assert restorable(layers=3) == []                                 # other layer count
+    assert restorable(temporal_dtype=torch.bfloat16) == []            # other SSM dtype
+
+
+def test_mla_side_pools_are_written_once_mamba_per_rank(shared_store):
+    keys = page_hashes(2, 16)
+    ranks = []
+    for rank in (0, 1):
+        kv, draft, mamba = mla_host("page_first"), mla_host("page_first", layers=1), mamba_host()
+        b = make_hybrid_backend(shared_store.master, kv, {PoolName.DRAFT: draft,
+                                                          PoolName.MAMBA: mamba},
+                                mla=True, tp_rank=rank, tp_size=2)
+        ranks.append((b, draft, mamba))
+    (b0, d0, m0), (b1, d1, m1) = ranks
+    d_idx, m_idx = slots(d1, 2), slots(m1, 1)
+    fill_random(d1, d_idx, 1)
+    put = b1.batch_set_v2([PoolTransfer(PoolName.DRAFT, host_indices=d_idx, keys=keys),
+                           PoolTransfer(PoolName.MAMBA, host_indices=m_idx, keys=keys[1:])])
+    assert put == {PoolName.DRAFT: [True, True], PoolName.MAMBA: [True]}
+    q = [PoolTransfer(PoolName.DRAFT, keys=keys, hit_policy=ALL)]
+    assert b0.batch_exists_v2(keys, q).extra_pool_hit_pages.get(PoolName.DRAFT) is None  # rank 1 is no writer
+    d_idx0 = slots(d0, 2)
+    fill_random(d0, d_idx0, 2)
+    assert b0.batch_set_v2([PoolTransfer(PoolName.DRAFT, host_indices=d_idx0, keys=keys)]) == \
+        {PoolName.DRAFT: [True, True]}
+    assert b1.batch_get_v2([PoolTransfer(PoolName.DRAFT, host_indices=d_idx, keys=keys)]) == \
+        {PoolName.DRAFT: [True, True]}                      # rank 1 reads rank 0's copy
+    _same_pages(d1, page_bytes(d0, d_idx0), d_idx)
+    # Mamba state is TP-sharded (each rank its own keys); the MLA-replicated pools are shared.
+    assert b0.side_pools["mamba"].namespace != b1.side_pools["mamba"].namespace
+    assert b0.side_pools["draft"].namespace == b1.side_pools["draft"].namespace
+    for b, _, _ in ranks:
+        b.close()
+
+
+# ------------------------------------------------------------------ robustness
+
+def test_bad_v2_calls_answer_misses_instead_of_raising(shared_store):
+    kv, mamba = mha_host("page_first"), mamba_host()
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: mamba})
+    keys = page_hashes(2, 16)
+    two = slots(mamba, 2)
+    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=two[:1], keys=keys),
+                                 PoolTransfer(PoolName.SWA, host_indices=two, keys=keys)]) == \
+        {PoolName.MAMBA: [False, False], PoolName.SWA: [False, False]}
+    assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=None, keys=keys)]) == \
+        {PoolName.MAMBA: [False, False]}
+    assert backend.batch_set_v2([]) == {} and backend.batch_get_v2(None) == {}
+    assert backend.batch_exists_v2([], []) == PoolTransferResult(0, {}, [])
+    backend.close()                                         # closed client: still no exception
+    assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=two, keys=keys)]) == \
+        {PoolName.MAMBA: [False, False]}
+    r = backend.batch_exists_v2(keys, [PoolTransfer(PoolName.MAMBA, keys=keys[1:], hit_policy=TRAIL)])
+    assert r.kv_hit_pages == 0 and not r.restorable_prefix_pages
+
+
+def test_a_pool_that_cannot_be_stored_is_refused_at_start(shared_store):
+    class NoPages:
+        page_size, layout = 1, "page_first"
+
+    with pytest.raises(ValueError, match="NoPages"):
+        make_hybrid_backend(shared_store.master, mha_host("page_first"), {PoolName.INDEXER: NoPages()})
+
+
+def test_clear_removes_side_pool_objects_too(shared_store):
+    kv, mamba = mha_host("page_first"), mamba_host()
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: mamba}, tenant="clr")
+    keys = page_hashes(1, 16)
+    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=slots(mamba, 1),
+                                              keys=keys)]) == {PoolName.MAMBA: [True]}
+    q = [PoolTransfer(PoolName.MAMBA, keys=keys, hit_policy=TRAIL)]
+    kv_idx = slots(kv, 1)
+    assert backend.batch_set_v1(keys, kv_idx) == [True]
+    assert backend.batch_exists_v2(keys, q).restorable_prefix_pages == [1]
+    assert all(backend.client.batch_contains(backend.side_pools["mamba"].keys(keys)))
+    backend.clear()
+    assert not any(backend.client.batch_contains(backend.side_pools["mamba"].keys(keys)))
+    backend.close()
+
