@@ -32,7 +32,7 @@ from pools import DYNAMIC, fill_random, page_bytes
 
 ACK_TIMEOUT_S = 30.0
 BACKEND_METHODS = ("batch_exists", "batch_get_v1", "batch_set_v1", "batch_get", "batch_set",
-                   "get", "set", "exists")
+                   "get", "set", "exists", "batch_exists_v2", "batch_get_v2", "batch_set_v2")
 
 
 def single_rank_layout() -> None:
@@ -94,7 +94,8 @@ class ControllerRig:
     def __init__(self, master: str, *, kind: str = "mha", layout: str = "page_first",
                  hybrid: bool = True, dtype=torch.bfloat16, page_size: int = 16, layers: int = 3,
                  heads: int = 2, head_dim: int = 32, device_tokens: int = 256,
-                 host_ratio: float = 2.0, threshold: Optional[int] = None, **extra):
+                 host_ratio: float = 2.0, threshold: Optional[int] = None,
+                 side: Optional[dict] = None, **extra):
         self.page_size = page_size
         if kind == "mla":
             self.device = MLATokenToKVPool(
@@ -123,10 +124,15 @@ class ControllerRig:
                       model_name="test/controller", storage_backend_extra_config=config)
         self.hybrid = hybrid
         if hybrid:   # what the prefill-side UnifiedRadixCache builds (build_kv_only_stack)
+            # ``side`` ({PoolName: host pool}) adds hybrid side pools (Mamba state, SWA) to the
+            # group; their device side is never touched here, so they get no device pool.
             group = HostPoolGroup([build_pool_entry(
                 name=PoolName.KV, host_pool=self.host, device_pool=self.device,
                 layer_mapping={i: i for i in range(layers)}, transfer_layer_id_max=layers,
-                is_anchor=True)])
+                is_anchor=True)] + [build_pool_entry(
+                    name=name, host_pool=pool, device_pool=None,
+                    layer_mapping={i: i for i in range(layers)}, transfer_layer_id_max=layers)
+                    for name, pool in (side or {}).items()])
             self.ctl = HybridCacheController(allocator, group, page_size, None, threading.Event(),
                                              transfer_layer_id_max=layers, **common)
         else:        # the base controller (decode-side offload builds it directly)
