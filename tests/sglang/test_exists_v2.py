@@ -22,11 +22,11 @@ SWA_WINDOW = 2
 class Rig:
     """KV + Mamba + SWA (window 2) + an all-pages draft pool, one backend, fresh page hashes."""
 
-    def __init__(self, master, anchor=None):
+    def __init__(self, master, anchor=None, make=make_hybrid_backend):
         self.kv = anchor if anchor is not None else mha_host("page_first")
         self.pools = {PoolName.MAMBA: mamba_host(), PoolName.SWA: swa_host("page_first"),
                       PoolName.DRAFT: mla_host("page_first", layers=1)}
-        self.backend = make_hybrid_backend(master, self.kv, self.pools)
+        self.backend = make(master, self.kv, self.pools)   # any HiCacheStorage with v2
         self.keys = page_hashes(N, 16)
 
     def store(self, name, pages: list[int]) -> None:
