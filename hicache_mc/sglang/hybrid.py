@@ -61,7 +61,7 @@ class HybridPools:
     def _side_pool(self, pool, name) -> SidePool:
         cfg, s = self.storage_config, self.settings
         geo = probe_side_pool(pool)
-        shared = bool(cfg.is_mla_model) and str(name) != MAMBA
+        shared = bool(cfg.is_mla_model) and not _tp_sharded(pool, name)
         identity = {"model": s.model_name or cfg.model_name or "",
                     "kv_cache_dtype": s.kv_cache_dtype or "",
                     "tp": None if shared else [cfg.tp_rank, cfg.tp_size],
@@ -187,6 +187,15 @@ class HybridPools:
         self.episodes.ok("batch_exists_v2")
         return PoolTransferResult(verdict.kv_hit_pages, verdict.pool_hit_pages,
                                   verdict.restorable)
+
+
+def _tp_sharded(pool, name) -> bool:
+    """Whether each TP rank holds its own slice even in an MLA model: Mamba state (heads split
+    across ranks) and MHA pools (an EAGLE-MHA draft over an MLA target). Sharing those would load
+    rank 0's heads on every rank."""
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    return str(name) == MAMBA or isinstance(pool, (MambaPoolHost, MHATokenToKVPoolHost))
 
 
 def _policy(t: PoolTransfer) -> str:

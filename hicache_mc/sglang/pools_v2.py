@@ -23,7 +23,7 @@ import torch
 from ..keys import NAMESPACE_CHARS, batch_page_keys, with_tenant
 from .layout import tokens_per_page
 
-MAMBA = "mamba"   # PoolName.MAMBA: the one side pool that is TP-sharded even under MLA
+MAMBA = "mamba"   # PoolName.MAMBA: TP-sharded state even in an MLA model
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ class SidePool:
 
     def __init__(self, name, pool, geometry: SideGeometry, namespace: str, shared_by_tp: bool):
         self.name, self.pool, self.geo, self.namespace = name, pool, geometry, namespace
-        # Replicated across TP ranks (MLA models, every pool but Mamba): one copy serves all
-        # ranks, so only the writer rank stores it and every rank reads the same keys.
+        # Replicated across TP ranks (MLA models, pools other than Mamba state and MHA pools):
+        # one copy serves all ranks, so only the writer rank stores it and all read the same keys.
         self.shared_by_tp = shared_by_tp
 
     def keys(self, page_hashes: Sequence[str]) -> list[str]:

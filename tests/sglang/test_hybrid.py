@@ -175,6 +175,28 @@ def test_mla_side_pools_are_written_once_mamba_per_rank(shared_store):
         b.close()
 
 
+def test_mha_draft_over_an_mla_target_is_per_rank(shared_store):
+    # EAGLE-MHA draft on an MLA model: the draft pool holds each rank's own heads.
+    keys = page_hashes(1, 16)
+    ranks = []
+    for rank in (0, 1):
+        draft = mha_host("page_first", layers=1)
+        b = make_hybrid_backend(shared_store.master, mla_host("page_first"),
+                                {PoolName.DRAFT: draft}, mla=True, tp_rank=rank, tp_size=2)
+        ranks.append((b, draft))
+    (b0, d0), (b1, d1) = ranks
+    assert not b0.side_pools["draft"].shared_by_tp
+    assert b0.side_pools["draft"].namespace != b1.side_pools["draft"].namespace
+    idx = slots(d1, 1)
+    assert b1.batch_set_v2([PoolTransfer(PoolName.DRAFT, host_indices=idx, keys=keys)]) == \
+        {PoolName.DRAFT: [True]}
+    assert all(b1.client.batch_contains(b1.side_pools["draft"].keys(keys)))   # rank 1 wrote
+    assert b0.batch_get_v2([PoolTransfer(PoolName.DRAFT, host_indices=slots(d0, 1), keys=keys)]) \
+        == {PoolName.DRAFT: [False]}                        # and rank 0 never reads it
+    for b, _ in ranks:
+        b.close()
+
+
 # ------------------------------------------------------------------ robustness
 
 def test_bad_v2_calls_answer_misses_instead_of_raising(shared_store):
