@@ -147,3 +147,22 @@ def shuffled_slots(pool, pages: int, seed: int = 0) -> torch.Tensor:
     idx = slots(pool, pages)
     order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))
     return idx.view(pages, pool.page_size)[order].reshape(-1)
+
+
+def dsa_pools(page_size: int = 64, layers: int = 2, tokens: int = 256):
+    """DeepSeek-V3.2's pools: the MLA KV anchor and its DSA indexer host pool (index keys with
+    their scales, one object per page). SGLang's parallel layout must be set (DSATokenToKVPool
+    reads the DCP size from it)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    dev = DSATokenToKVPool(size=tokens, page_size=page_size, kv_lora_rank=32, dtype=torch.bfloat16,
+                           qk_rope_head_dim=16, layer_num=layers, device="cpu", index_head_dim=128,
+                           enable_memory_saver=False, kv_cache_dim=48, start_layer=0,
+                           end_layer=layers - 1)
+    anchor = MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first",
+        pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=0,
+        end_layer=layers - 1, target_layer_num=layers)
+    indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(dev), anchor, pin_memory=False,
+                                 device="cpu")
+    return anchor, indexer

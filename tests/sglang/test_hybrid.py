@@ -6,7 +6,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName, PoolTransfer,
                                                   PoolTransferResult)
 
-from pools import (fill_random, make_hybrid_backend, mamba_host, mha_host,
+from controllers import clear_layout, single_rank_layout
+from pools import (dsa_pools, fill_random, make_hybrid_backend, mamba_host, mha_host,
                    mla_host, page_bytes, page_hashes, shuffled_slots, slots, swa_host)
 
 TRAIL, ALL, GROUPS = (PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES,
@@ -68,6 +69,41 @@ def test_side_pool_round_trip_into_shuffled_poisoned_slots(shared_store, case):
     got = backend.batch_get_v2([PoolTransfer(name, host_indices=dst, keys=keys)])
     assert got == {name: [True] * 3}
     _same_pages(pool, want, dst)
+    backend.close()
+
+
+@pytest.fixture
+def parallel_layout():
+    single_rank_layout()
+    yield
+    clear_layout()
+
+
+def test_dsa_indexer_round_trip_and_all_pages_hits(shared_store, parallel_layout):
+    anchor, indexer = dsa_pools()
+    backend = make_hybrid_backend(shared_store.master, anchor, {PoolName.INDEXER: indexer},
+                                  mla=True)
+    side = backend.side_pools["indexer"]
+    assert side.geo.zero_copy and side.shared_by_tp
+    keys = page_hashes(3, anchor.page_size)
+    kv_idx, src, dst = slots(anchor, 3), shuffled_slots(indexer, 3, 1), shuffled_slots(indexer, 3, 2)
+    fill_random(anchor, kv_idx, 1)
+    fill_random(indexer, src, 2)
+    fill_random(indexer, dst, 3)
+    want = page_bytes(indexer, src)
+    assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
+    # Pages 1 and 3 of the indexer only: all_pages stops at page 1.
+    sel = torch.cat([src[:anchor.page_size], src[2 * anchor.page_size:]])
+    assert backend.batch_set_v2([PoolTransfer(PoolName.INDEXER, host_indices=sel,
+                                              keys=[keys[0], keys[2]])]) == \
+        {PoolName.INDEXER: [True, True]}
+    q = [PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=ALL)]
+    assert backend.batch_exists_v2(keys, q) == PoolTransferResult(
+        1, {PoolName.KV: 3, PoolName.INDEXER: 1}, [1])
+    assert backend.batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=dst, keys=keys)]) == \
+        {PoolName.INDEXER: [True, False, True]}
+    got = page_bytes(indexer, dst)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     backend.close()
 
 
@@ -209,6 +245,9 @@ def test_bad_v2_calls_answer_misses_instead_of_raising(shared_store):
         {PoolName.MAMBA: [False, False], PoolName.SWA: [False, False]}
     assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=None, keys=keys)]) == \
         {PoolName.MAMBA: [False, False]}
+    mixed = backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=two, keys=keys),
+                                  PoolTransfer(PoolName.SWA, host_indices=two, keys=keys)])
+    assert mixed == {PoolName.MAMBA: [True, True], PoolName.SWA: [False, False]}
     assert backend.batch_set_v2([]) == {} and backend.batch_get_v2(None) == {}
     assert backend.batch_exists_v2([], []) == PoolTransferResult(0, {}, [])
     backend.close()                                         # closed client: still no exception
