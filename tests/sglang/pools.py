@@ -166,3 +166,14 @@ def dsa_pools(page_size: int = 64, layers: int = 2, tokens: int = 256):
     indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(dev), anchor, pin_memory=False,
                                  device="cpu")
     return anchor, indexer
+
+
+def v4_paged_host(name: str, layout: str = "page_first", page_size: int = 64, layers: int = 2,
+                  item_bytes: int = 256, pages: int = 8):
+    """A DeepSeek-V4 paged side pool (compressed KV / indexer): ``item_bytes`` per page and layer,
+    mirroring device buffers (here CPU tensors) page by page."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+    return DeepSeekV4PagedHostPool(
+        name, [torch.zeros((pages, item_bytes), dtype=torch.uint8) for _ in range(layers)],
+        item_bytes=item_bytes, num_host_pages=pages, slot_page_size=page_size, layout=layout,
+        pin_memory=False)

@@ -7,8 +7,9 @@ from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName, PoolT
                                                   PoolTransferResult)
 
 from controllers import clear_layout, single_rank_layout
-from pools import (dsa_pools, fill_random, make_hybrid_backend, mamba_host, mha_host,
-                   mla_host, page_bytes, page_hashes, shuffled_slots, slots, swa_host)
+from pools import (dsa_pools, fill_random, logical_anchor, make_hybrid_backend, mamba_host,
+                   mha_host, mla_host, page_bytes, page_hashes, shuffled_slots, slots, swa_host,
+                   v4_paged_host)
 
 TRAIL, ALL, GROUPS = (PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES,
                       PoolHitPolicy.BLOCK_GROUPS)
@@ -104,6 +105,35 @@ def test_dsa_indexer_round_trip_and_all_pages_hits(shared_store, parallel_layout
         {PoolName.INDEXER: [True, False, True]}
     got = page_bytes(indexer, dst)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    backend.close()
+
+
+def test_deepseek_v4_pools_under_a_logical_anchor(shared_store):
+    c4 = v4_paged_host("deepseek_v4_c4", "page_first")
+    c128 = v4_paged_host("deepseek_v4_c128", "layer_first", item_bytes=128)
+    anchor = logical_anchor(page_size=64, tokens=512)
+    backend = make_hybrid_backend(shared_store.master, anchor, {PoolName.DEEPSEEK_V4_C4: c4,
+                                                                PoolName.DEEPSEEK_V4_C128: c128},
+                                  mla=True)
+    assert backend.logical_anchor
+    assert len(backend.side_pools["deepseek_v4_c128"].geo.parts) == 2   # one object per layer
+    keys = page_hashes(3, 64)
+    src, dst = shuffled_slots(anchor, 3, 1), shuffled_slots(anchor, 3, 2)   # V4 pools share
+    for pool in (c4, c128):                                                 # the anchor's slots
+        fill_random(pool, src, 3)
+        fill_random(pool, dst, 4)
+    want = {n: page_bytes(p, src) for n, p in ((PoolName.DEEPSEEK_V4_C4, c4),
+                                                (PoolName.DEEPSEEK_V4_C128, c128))}
+    both = lambda idx, ks: [PoolTransfer(n, host_indices=idx, keys=ks) for n in want]  # noqa: E731
+    assert backend.batch_set_v1(keys, src) == [True] * 3                    # no bytes, no I/O
+    assert backend.batch_set_v2(both(src[:2 * 64], keys[:2])) == {n: [True, True] for n in want}
+    q = [PoolTransfer(n, keys=keys, hit_policy=ALL) for n in want]
+    assert backend.batch_exists_v2(keys, q) == PoolTransferResult(
+        2, {PoolName.KV: 3, PoolName.DEEPSEEK_V4_C4: 2, PoolName.DEEPSEEK_V4_C128: 2}, [1, 2])
+    assert backend.batch_get_v2(both(dst, keys)) == {n: [True, True, False] for n in want}
+    for n, pool in ((PoolName.DEEPSEEK_V4_C4, c4), (PoolName.DEEPSEEK_V4_C128, c128)):
+        got = page_bytes(pool, dst)
+        assert torch.equal(got[0], want[n][0]) and torch.equal(got[1], want[n][1])
     backend.close()
 
 
