@@ -82,12 +82,22 @@ class HybridPools:
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
         """Store every pool's pages from its host slots in one store call; bools per key."""
-        return self._io_v2(transfers or [], load=False)
+        return self._guarded_io(transfers, load=False)
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
         """Load every pool's pages straight into its host slots in one store call."""
-        return self._io_v2(transfers or [], load=True)
+        return self._guarded_io(transfers, load=True)
+
+    def _guarded_io(self, transfers, load: bool) -> dict:
+        # _io_v2 already turns store and per-pool failures into False; this catches the rest
+        # (a malformed transfer) so that nothing raises into SGLang's I/O threads.
+        try:
+            return self._io_v2(list(transfers or []), load)
+        except Exception as exc:
+            self.episodes.failed("batch_get_v2" if load else "batch_set_v2", exc)
+            return {getattr(t, "name", None): [False] * _count(getattr(t, "keys", None))
+                    for t in transfers or []}
 
     def _io_v2(self, transfers, load: bool) -> dict:
         op = "batch_get_v2" if load else "batch_set_v2"
@@ -196,6 +206,13 @@ def _tp_sharded(pool, name) -> bool:
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     return str(name) == MAMBA or isinstance(pool, (MambaPoolHost, MHATokenToKVPoolHost))
+
+
+def _count(keys) -> int:
+    try:
+        return len(list(keys or []))
+    except Exception:
+        return 0
 
 
 def _policy(t: PoolTransfer) -> str:

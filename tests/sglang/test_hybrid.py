@@ -279,6 +279,9 @@ def test_bad_v2_calls_answer_misses_instead_of_raising(shared_store):
                                   PoolTransfer(PoolName.SWA, host_indices=two, keys=keys)])
     assert mixed == {PoolName.MAMBA: [True, True], PoolName.SWA: [False, False]}
     assert backend.batch_set_v2([]) == {} and backend.batch_get_v2(None) == {}
+    odd = PoolTransfer(PoolName.MAMBA, host_indices=two, keys=keys)
+    odd.keys = 12345                                        # not a list: still no exception
+    assert backend.batch_get_v2([odd]) == {PoolName.MAMBA: []}
     assert backend.batch_exists_v2([], []) == PoolTransferResult(0, {}, [])
     backend.close()                                         # closed client: still no exception
     assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=two, keys=keys)]) == \
