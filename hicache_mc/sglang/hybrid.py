@@ -14,7 +14,7 @@ succeed without I/O and the side pools alone decide what is stored.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolName,
                                                   PoolTransfer, PoolTransferResult)
@@ -24,6 +24,15 @@ from .pools_v2 import MAMBA, PoolIO, SidePool, probe_side_pool, side_namespace
 from .staging import fold_parts
 
 logger = logging.getLogger("hicache_mc.sglang")
+
+
+class _Span(NamedTuple):
+    """Where one pool's objects sit in the single presence query of batch_exists_v2."""
+    transfer: PoolTransfer
+    pages: int        # pages this pool is checked for
+    first: int        # index of its first object in the query
+    asked: int        # pages actually asked (0: pool not registered, all missing)
+    per_page: int     # objects per page
 
 
 class HybridPools:
@@ -165,30 +174,33 @@ class HybridPools:
         n = len(keys)
         if n == 0 or (self.geometry is None and not self.logical_anchor):
             return PoolTransferResult(0, {}, [])
+        if self.logical_anchor and not transfers:   # no bytes asked about: no evidence of a hit
+            return PoolTransferResult(0, {}, [])
         # Every object this answer depends on, in one list: KV parts, then each pool's.
         query: list[str] = []
         kv_parts = 0
         if not self.logical_anchor:
             query += self._keys(keys)
             kv_parts = len(self.geometry.parts)
-        spans = []   # (transfer, side pool or None, first, count, objects per page)
+        spans: list[_Span] = []
         for t in transfers:
             side = self.side_pools.get(str(t.name))
             pages = list(t.keys or []) if _policy(t) == BLOCK_GROUPS else keys
             if side is None:
                 self.episodes.failed("batch_exists_v2", f"pool {t.name} is not registered")
-                spans.append((t, pages, 0, 0, 1))
+                spans.append(_Span(t, len(pages), 0, 0, 1))
                 continue
-            spans.append((t, pages, len(query), len(pages), len(side.geo.parts)))
+            spans.append(_Span(t, len(pages), len(query), len(pages), len(side.geo.parts)))
             query += side.keys(pages)
         present = list(self.client.batch_contains(query)) if query else []
         if len(present) != len(query):
             raise RuntimeError(f"store answered {len(present)} flags for {len(query)} keys")
         kv_pages = n if self.logical_anchor else leading(fold_parts(present[:n * kv_parts], kv_parts))
         pools = []
-        for t, pages, first, count, per in spans:
-            flags = fold_parts(present[first:first + count * per], per) if count else \
-                [False] * len(pages)
+        for sp in spans:
+            t = sp.transfer
+            flags = fold_parts(present[sp.first:sp.first + sp.asked * sp.per_page], sp.per_page) \
+                if sp.asked else [False] * sp.pages
             pools.append(PoolPresence(t.name, _policy(t), flags,
                                       window=max(1, len(t.keys or []) or 1),
                                       block_pages=int(getattr(t, "block_pages", 0) or 0),

@@ -158,6 +158,7 @@ def test_logical_anchor_lets_the_side_pools_decide(shared_store):
     assert b.batch_set_v1(r.keys[:2], idx) == [True, True]  # no KV bytes to move
     assert b.batch_get_v1(r.keys[:2], idx) == [True, True]
     assert b.batch_exists(r.keys) == 0                      # never a hit without side pools
+    assert b.batch_exists_v2(r.keys, []) == result(0, {}, [])
     r.store(PoolName.SWA, [1, 2, 3, 4])
     r.store(PoolName.DRAFT, [1, 2, 3, 4, 5])
     got = r.query(PoolName.SWA, PoolName.DRAFT)
