@@ -14,6 +14,7 @@ succeed without I/O and the side pools alone decide what is stored.
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, NamedTuple, Optional
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolName,
@@ -134,6 +135,7 @@ class HybridPools:
                 self.episodes.failed(op, exc)
         if not batch:
             return results
+        start = time.perf_counter()
         try:
             keys = [k for _, io in batch for k in io.keys]
             ptrs = [p for _, io in batch for p in io.ptrs]
@@ -142,13 +144,18 @@ class HybridPools:
             ok = list(call(keys, ptrs, sizes))
             if len(ok) != len(keys):
                 raise RuntimeError(f"store answered {len(ok)} results for {len(keys)} objects")
-            at = 0
+            at, moved, nbytes = 0, 0, 0
             for side, io in batch:
                 pages = fold_parts(ok[at:at + len(io.keys)], io.n_parts)
                 at += len(io.keys)
                 if load and io.buffers:
                     side.scatter(io, pages)
                 results[io.name] = pages
+                moved += sum(pages)
+                nbytes += sum(pages) * side.geo.page_bytes
+            # SGLang's StorageMetrics: side-pool pages beside the KV pages the v1 calls record
+            self.metrics.record("prefetch" if load else "backup", moved, nbytes,
+                                time.perf_counter() - start)
             if all(all(r) for r in results.values()):
                 self.episodes.ok(op)
             else:

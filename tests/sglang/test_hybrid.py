@@ -313,3 +313,21 @@ def test_clear_removes_side_pool_objects_too(shared_store):
     assert not any(backend.client.batch_contains(backend.side_pools["mamba"].keys(keys)))
     backend.close()
 
+
+
+def test_v2_batches_show_in_sglangs_storage_metrics(shared_store):
+    kv, state = mha_host("page_first"), mamba_host(layout="page_first")
+    backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: state})
+    keys = page_hashes(3, kv.page_size)
+    src, dst = slots(state, 3), shuffled_slots(state, 3, seed=2)
+    fill_random(state, src, seed=1)
+    backend.get_stats()                                     # start afresh
+    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=src, keys=keys)]) == \
+        {PoolName.MAMBA: [True] * 3}
+    assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=dst,
+                                              keys=keys[:2] + ["absent"])]) == \
+        {PoolName.MAMBA: [True, True, False]}
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [2]
+    assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+    backend.close()
