@@ -64,12 +64,12 @@ def build_pool(args, pages: int):
         host_token_capacity=pages * ps)
 
 
-def storage_config(extra: dict):
+def storage_config(extra: dict, model_name: str = "bench/llama-3-8b", page_first: bool = False):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-        model_name="bench/llama-3-8b", extra_config=extra)
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=page_first,
+        model_name=model_name, extra_config=extra)
 
 
 def same_pages(pool, a, b) -> bool:
@@ -105,21 +105,15 @@ def run_hicache_mc(pool, src, dst, keys, master, transport, iters) -> dict:
 def run_file(pool, src, dst, keys, iters, file_dir) -> dict:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     backend = HiCacheFile(storage_config({}), file_path=file_dir)
-    ps = pool.page_size
     put, warm, cold = [], [], []
 
-    def generic_get():  # HiCacheController._generic_page_get
-        dummy = [pool.get_dummy_flat_data_page() for _ in keys]
-        data = backend.batch_get(keys, dummy)
-        for i, page in enumerate(data):
-            assert page is not None
-            pool.set_from_flat_data_page(dst[i * ps], page)
+    def generic_get():
+        assert all(generic_page_get(backend, pool, keys, dst))
 
     for _ in range(iters):
         backend.clear()
         t0 = time.perf_counter()
-        # HiCacheController._generic_page_set
-        ok = backend.batch_set(keys, [pool.get_data_page(src[i * ps]) for i in range(len(keys))])
+        ok = generic_page_set(backend, pool, keys, src)
         put.append(time.perf_counter() - t0)
         assert ok
         poison(pool, dst)
@@ -134,6 +128,24 @@ def run_file(pool, src, dst, keys, iters, file_dir) -> dict:
         cold.append(time.perf_counter() - t0)
     backend.clear()
     return {"put_s": put, "get_s": warm, "cold_get_s": cold}
+
+
+def generic_page_set(backend, pool, keys, src) -> bool:
+    """HiCacheController._generic_page_set: what SGLang does for backends without the v1
+    zero-copy calls (``file``): one copied page per key through ``batch_set``."""
+    ps = pool.page_size
+    return backend.batch_set(keys, [pool.get_data_page(src[i * ps]) for i in range(len(keys))])
+
+
+def generic_page_get(backend, pool, keys, dst) -> list[bool]:
+    """HiCacheController._generic_page_get: ``batch_get`` into dummy flat pages, then one
+    ``set_from_flat_data_page`` per page."""
+    ps = pool.page_size
+    data = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    for i, page in enumerate(data):
+        if page is not None:
+            pool.set_from_flat_data_page(dst[i * ps], page)
+    return [page is not None for page in data]
 
 
 def poison(pool, idx) -> None:
