@@ -8,7 +8,8 @@ instead of a tuple of three. Measured with benchmarks/bench_master.py at 1M keys
 (~n²/2^129 for honest keys; a crafted pair is possible, xxh3 not being cryptographic) can only
 make the master report a key present that is not: the node looks objects up by the full key,
 so the read is a miss, never another key's bytes. Node ids are interned as small slot numbers
-by ``NodeSlots``.
+by ``NodeSlots``. The digests sit in one map per key namespace (the part of a key before its
+first '/'), so the keys of one namespace are listed without a scan (a residency snapshot).
 """
 from __future__ import annotations
 
@@ -42,27 +43,71 @@ def _d(key: str) -> bytes:
     return xxh3_128_digest(key.encode())
 
 
+def namespace_of(key: str) -> str:
+    """The namespace of a store key: what comes before its first '/' ("" for a key without)."""
+    i = key.find("/")
+    return key[:i] if i >= 0 else ""
+
+
+def _groups(keys: list[str]) -> list[tuple[str, list[int]]]:
+    """(namespace, positions of its keys) per namespace. The usual batch has one, checked
+    once: every key between the least and the greatest shares a prefix both have."""
+    ns = namespace_of(keys[0])
+    if "/" in keys[0] and min(keys).startswith(ns + "/") and max(keys).startswith(ns + "/"):
+        return [(ns, range(len(keys)))]
+    out: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(namespace_of(k), []).append(i)
+    return list(out.items())
+
+
+_EMPTY: dict = {}
+
+
 class KeyIndex:
-    """key -> (node_slot, size, checksum). Not thread-safe: owned by the master loop."""
+    """key -> (node_slot, size, checksum), one map per key namespace (so a namespace's keys can
+    be listed without a scan: the residency snapshot). Not thread-safe: owned by the master loop.
+
+    ``journal`` (when not None) collects every change, ``{namespace: {digest: present}}`` with
+    the last change of a key winning: the residency publisher sends and clears it each loop turn.
+    """
 
     def __init__(self):
-        self._map: dict[bytes, int] = {}
+        self._ns: dict[str, dict[bytes, int]] = {}
+        self.journal: Optional[dict[str, dict[bytes, bool]]] = None
 
     def __len__(self) -> int:
-        return len(self._map)
+        return sum(map(len, self._ns.values()))
+
+    def _note(self, ns: str, digests, present: bool) -> None:
+        j = self.journal
+        if j is not None and digests:
+            j.setdefault(ns, {}).update(dict.fromkeys(digests, present))
 
     def add(self, key: str, slot: int, size: int, checksum: int) -> None:
-        self._map[_d(key)] = (checksum & CHECKSUM_MASK) | (size & SIZE_MASK) << 64 | slot << 104
+        self.add_many([key], slot, [size], [checksum])
 
     def add_many(self, keys: list[str], slot: int, sizes: list[int], checksums: list[int]) -> None:
         """``add`` for a batch of one node, digested in C-level loops."""
+        if not keys:
+            return
         hi = slot << 104
-        self._map.update(zip(map(xxh3_128_digest, map(str.encode, keys)),
-                             [(c & CHECKSUM_MASK) | (s & SIZE_MASK) << 64 | hi
-                              for s, c in zip(sizes, checksums)]))
+        values = [(c & CHECKSUM_MASK) | (s & SIZE_MASK) << 64 | hi for s, c in zip(sizes, checksums)]
+        digests = list(map(xxh3_128_digest, map(str.encode, keys)))
+        for ns, pos in _groups(keys):
+            sub = self._ns.get(ns)
+            if sub is None:
+                sub = self._ns[ns] = {}
+            if len(pos) == len(keys):
+                sub.update(zip(digests, values))
+                self._note(ns, digests, True)
+            else:
+                part = [digests[i] for i in pos]
+                sub.update(zip(part, [values[i] for i in pos]))
+                self._note(ns, part, True)
 
     def get(self, key: str) -> Optional[tuple[int, int, int]]:
-        v = self._map.get(_d(key))
+        v = self._ns.get(namespace_of(key), _EMPTY).get(_d(key))
         if v is None:
             return None
         return v >> 104, (v >> 64) & SIZE_MASK, v & CHECKSUM_MASK
@@ -70,34 +115,58 @@ class KeyIndex:
     def get_many(self, keys: list[str]) -> list[Optional[int]]:
         """The packed value of each key (None when absent), digested and looked up in C-level
         loops: ``checksum | size << 64 | node_slot << 104``."""
-        return list(map(self._map.get, map(xxh3_128_digest, map(str.encode, keys))))
+        if not keys:
+            return []
+        groups = _groups(keys)
+        digests = map(xxh3_128_digest, map(str.encode, keys))
+        if len(groups) == 1:
+            return list(map(self._ns.get(groups[0][0], _EMPTY).get, digests))
+        subs = [self._ns.get(namespace_of(k), _EMPTY) for k in keys]
+        return [sub.get(d) for sub, d in zip(subs, digests)]
 
     def slot_of(self, key: str) -> Optional[int]:
-        v = self._map.get(_d(key))
+        v = self._ns.get(namespace_of(key), _EMPTY).get(_d(key))
         return None if v is None else v >> 104
 
     def remove(self, key: str, slot: int) -> bool:
         """Drop ``key`` if ``slot`` still holds it (a newer copy elsewhere stays)."""
+        ns = namespace_of(key)
+        sub = self._ns.get(ns)
         d = _d(key)
-        v = self._map.get(d)
+        v = None if sub is None else sub.get(d)
         if v is not None and v >> 104 == slot:
-            del self._map[d]
+            del sub[d]
+            if not sub:
+                del self._ns[ns]
+            self._note(ns, (d,), False)
             return True
         return False
 
     def drop_slot(self, slot: int) -> int:
         """Remove every key held by ``slot``; returns how many."""
-        dead = [k for k, v in self._map.items() if v >> 104 == slot]
-        for k in dead:
-            del self._map[k]
-        return len(dead)
+        n = 0
+        for ns, sub in list(self._ns.items()):
+            dead = [k for k, v in sub.items() if v >> 104 == slot]
+            for k in dead:
+                del sub[k]
+            if not sub:
+                del self._ns[ns]
+            self._note(ns, dead, False)
+            n += len(dead)
+        return n
+
+    def namespace_size(self, ns: str) -> int:
+        return len(self._ns.get(ns, _EMPTY))
+
+    def digests(self, ns: str) -> bytes:
+        """Every key of namespace ``ns``, as its 16-byte digests end to end (the snapshot)."""
+        return b"".join(self._ns.get(ns, _EMPTY))
 
     def leading_run(self, keys: Iterable[str], live: set[int]) -> int:
         """How many keys, from the first, are present on live nodes."""
         n = 0
-        m = self._map
         for k in keys:
-            v = m.get(_d(k))
+            v = self._ns.get(namespace_of(k), _EMPTY).get(_d(k))
             if v is None or (v >> 104) not in live:
                 break
             n += 1
