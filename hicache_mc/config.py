@@ -63,11 +63,17 @@ class MasterConfig:
     metrics_port: int = 9370           # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
+    # residency updates for clients' views (master/publisher.py); clients learn the port from
+    # the master: 0 = any free port (set one where a firewall must know it), -1 = off
+    publish_port: int = 0
+    publish_beat_s: float = 0.5        # each subscribed namespace gets a beat this often
 
     def __post_init__(self):
         _check_server_token(self.token)
         _check_port(self.port, "port")
         _check_port(self.metrics_port, "metrics_port", lowest=-1)
+        _check_port(self.publish_port, "publish_port", lowest=-1)
+        _check_positive(self.publish_beat_s, "publish_beat_s")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
         parse_quotas(self.tenant_quotas)
@@ -167,6 +173,10 @@ class ClientConfig:
     te_hostname: str = ""              # this host's address for the TE ("" = the route to the master)
     # Registered bounce buffer for caller memory that was not given to register_buffer.
     te_staging: int = size_field("64MiB")
+    # answer batch_exists / batch_contains from a local residency view (client/view.py) kept
+    # up to date by the master's publisher: on | off | auto (on in the SGLang backend, off in a
+    # plain StoreClient)
+    view: str = "auto"
 
     def __post_init__(self):
         from .auth import credential
@@ -175,6 +185,8 @@ class ClientConfig:
             credential(self.token)
         except ValueError as exc:
             raise ConfigError(f"token: {exc}") from None
+        if self.view not in ("auto", "on", "off"):
+            raise ConfigError(f"view: expected auto, on or off, got {self.view!r}")
         if self.transport not in ("auto", "shm", "tcp", "mooncake"):
             raise ConfigError(f"transport: expected auto, shm, tcp or mooncake, got {self.transport!r}")
         _check_te_protocol(self.te_protocol)

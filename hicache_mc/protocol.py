@@ -31,7 +31,7 @@ from .limits import (  # noqa: F401  (the limits are part of the protocol)
     MAX_TENANTS, Key, Name, Text, U64, Keys, Ints, Bools, Checksums, NodeIds, Fence,
     NodeRecord, NodeRecords, TenantBytes, NodeStats)
 
-VERSION = 9   # bump whenever a message's fields or meaning change
+VERSION = 10  # bump whenever a message's fields or meaning change
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -129,6 +129,23 @@ class StatsReply(Message):
     # the master's or a node's stats, nested (lists of node records, per-tenant maps); a reply
     # comes from a server the client chose, so its values are not typed further
     stats: Annotated[dict[str, Any], Meta(max_length=MAX_FIELDS)]
+
+
+# Residency (master/publisher.py, client/view.py): a client asks for the keys of a namespace
+# (as their xxh3-128 digests, 16 bytes each, end to end), then follows the master's changes of it
+# on the publisher port, from ``seq`` on.
+
+class SnapshotRequest(Message):
+    namespace: Key
+
+
+class SnapshotReply(Message):
+    epoch: Name              # the master's incarnation: updates of another epoch do not follow
+    seq: U64                 # the namespace's last update sequence number the digests include
+    digests: Annotated[bytes, Meta(max_length=MAX_HEADER_BYTES)]
+    nodes: Fence             # each live node's reports applied: node id -> [segment, seq]
+    port: int                # the publisher's port (on the master's host)
+    beat_s: float            # the publisher sends each subscribed namespace a beat this often
 
 
 # ---------------------------------------------------------------- master: node side

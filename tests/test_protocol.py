@@ -18,6 +18,7 @@ EVERY_MESSAGE = [
     P.ExistsRequest(KEYS), P.ExistsRequest(KEYS, {"n1": ("ab12", 7)}),
     P.ExistsReply(2, ["n1"], [0, 0], [5, 1], {"n1": REC}),
     P.ContainsRequest(KEYS, {"n1": ("ab12", 0)}), P.ContainsReply([True, False]),
+    P.SnapshotRequest("ns@t"), P.SnapshotReply("ep", 3, b"\x01" * 32, {"n1": ("ab12", 7)}, 7371, 0.5),
     P.LocateRequest(KEYS), P.LocateReply(["n1"], [0, -1], [5, 0], {"n1": REC}),
     P.PlaceRequest(KEYS, [10, 20], "host"), P.PlaceReply([None, "n1", ""], {"n1": REC}),
     P.StatsRequest(), P.StatsReply({"epoch": "e", "nodes": [{**REC, "age_s": 0.5}], "keys": 3,
@@ -192,7 +193,7 @@ def test_request_types_bound_every_container_and_string():
     def walk(t, where):
         ti = msgspec.inspect
         assert not isinstance(t, ti.AnyType), f"{where}: Any"
-        if isinstance(t, (ti.ListType, ti.DictType, ti.StrType)):
+        if isinstance(t, (ti.ListType, ti.DictType, ti.StrType, ti.BytesType)):
             assert t.max_length is not None, f"{where}: unbounded {type(t).__name__}"
         if isinstance(t, ti.ListType):
             walk(t.item_type, where + "[]")
@@ -203,7 +204,7 @@ def test_request_types_bound_every_container_and_string():
             for i, part in enumerate(t.item_types if isinstance(t, ti.TupleType) else t.types):
                 walk(part, f"{where}<{i}>")
         else:
-            assert isinstance(t, (ti.StrType, ti.IntType, ti.FloatType, ti.BoolType,
+            assert isinstance(t, (ti.StrType, ti.BytesType, ti.IntType, ti.FloatType, ti.BoolType,
                                   ti.NoneType)), f"{where}: {t}"
     for name, cls in P._REGISTRY.items():
         if name != "StatsReply":

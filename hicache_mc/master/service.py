@@ -17,6 +17,7 @@ from ..config import MasterConfig
 from ..metrics import histogram_family
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
+from .publisher import MAX_SNAPSHOT_KEYS, Publisher
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ class MasterService(Service):
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
         # lookups whose fence is ahead of the master: (give up at, handler, msg, ident, req_id)
         self._parked: list[tuple] = []
+        self.publisher = None       # residency updates (master/publisher.py), unless turned off
+        self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
+        if config.publish_port >= 0:
+            self.publisher = Publisher(self.ctx, self.guard, config.host, config.publish_port,
+                                       self.epoch, config.publish_beat_s)
+            self.index.journal = {}
+            self.add_socket(self.publisher.sock, self.publisher.on_readable)
         self.enable_metrics(config.metrics_host, config.metrics_port)
 
     # -------------------------------------------------------------- timers
@@ -65,8 +73,17 @@ class MasterService(Service):
                         "without them", len(late), FENCE_WAIT_S)
             for _, handler, msg, ident, req_id in late:
                 self._answer(handler, msg, ident, req_id)
-        if now < self._next_expiry:
-            return
+        if now >= self._next_expiry:
+            self._expire(now)
+        if self.publisher is not None:
+            self.publisher.flush(self.index.journal, self._node_marks, self._moved, now)
+            self._moved = {}
+
+    def _node_marks(self) -> dict:
+        """Each live node's reports applied: node id -> [segment, seq] (a residency beat)."""
+        return {n: (st.segment, st.seq) for n, st in self.registry.nodes.items()}
+
+    def _expire(self, now: float) -> None:
         self._next_expiry = now + self.config.heartbeat_interval_s / 2
         for st in self.registry.expire(now):
             dropped = self.index.drop_slot(st.slot)
@@ -197,6 +214,19 @@ class MasterService(Service):
         row[0] += hits
         row[1] += misses
 
+    def on_SnapshotRequest(self, msg: P.SnapshotRequest, ident, req_id):
+        """The keys of one namespace, for a client's residency view (see master/publisher.py)."""
+        self.check_tenant([msg.namespace + "/"])
+        if self.publisher is None:
+            return P.ErrorReply("unavailable", "this master publishes no residency (publish_port -1)")
+        if "/" in msg.namespace:
+            return P.ErrorReply("bad_request", "Snapshot: a namespace holds no '/'")
+        if self.index.namespace_size(msg.namespace) > MAX_SNAPSHOT_KEYS:
+            return P.ErrorReply("too_large", f"namespace holds over {MAX_SNAPSHOT_KEYS} keys")
+        pub = self.publisher
+        return P.SnapshotReply(self.epoch, pub.seq.get(msg.namespace, 0), self.index.digests(msg.namespace),
+                               self._node_marks(), pub.port, pub.beat_s)
+
     def on_PlaceRequest(self, msg: P.PlaceRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
             return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes")
@@ -230,7 +260,7 @@ class MasterService(Service):
         stats = {"epoch": self.epoch, "version": __version__, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
-                 **self.counters}
+                 **self.counters, **(self.publisher.counters if self.publisher else {})}
         return P.StatsReply(stats)
 
     # -------------------------------------------------------------- nodes
@@ -241,7 +271,8 @@ class MasterService(Service):
         if info.node_id in self.registry.nodes:
             # a restarted node: whatever it held before is gone unless its inventory says so
             self.index.drop_slot(slot)
-        self.registry.upsert(info, slot, ident)
+        st = self.registry.upsert(info, slot, ident)
+        self._moved[info.node_id] = (st.segment, 0)
         if self._parked:
             self._unpark()          # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
@@ -313,6 +344,7 @@ class MasterService(Service):
         """The node's reports up to ``seq`` are applied: lookups fenced on them may go."""
         if seq > st.seq:
             st.seq = seq
+            self._moved[st.info.node_id] = (st.segment, seq)
             if self._parked:
                 self._unpark()
 
@@ -335,7 +367,7 @@ class MasterService(Service):
             cap.add_metric([st.info.node_id], st.info.capacity)
             used.add_metric([st.info.node_id], int(st.stats.get("used", 0)))
         fams += [live, cap, used]
-        for name, value in self.counters.items():
+        for name, value in {**self.counters, **(self.publisher.counters if self.publisher else {})}.items():
             fams.append(CounterMetricFamily(f"hicache_mc_master_{name}_total",
                                             f"master {name.replace('_', ' ')}", value))
         hits = CounterMetricFamily("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace",

@@ -1,0 +1,145 @@
+"""The master's residency publisher: every change of its key index, per namespace, on an XPUB.
+
+A client keeps a view of the namespaces it uses (client/view.py) after the ZeroMQ guide's Clone
+pattern: it subscribes, asks the master for a snapshot (``SnapshotRequest`` on the ROUTER),
+then applies the numbered updates that follow it; a gap in the numbers, another master epoch or
+a silent topic sends it back for a new snapshot.
+
+Cost to the master: the index journals each change (``KeyIndex.journal``); once a loop turn the
+publisher sends one message per changed namespace (in chunks of ``residency.CHUNK`` digests)
+and, every ``beat_s``, a beat per subscribed namespace. Sends never block: past ``SNDHWM``
+queued messages ZeroMQ drops a slow subscriber's messages, which it notices as a gap.
+
+Authorization per topic: the socket is an XPUB with ``XPUB_MANUAL``, so a subscription takes
+effect only when the publisher passes it on. With a token it does so when the subscriber's
+CURVE key (the message's ``User-Id``) is the admin's or the client key of the namespace's
+tenant; other subscriptions are dropped (counted). Without a token every peer is trusted.
+"""
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from collections import OrderedDict
+from typing import Callable
+
+import zmq
+
+from .. import residency as R
+from ..auth import Credential, Guard, _seed
+from ..keys import tenant_of
+
+log = logging.getLogger(__name__)
+
+SNDHWM = 10000           # messages queued per subscriber before ZeroMQ drops its messages
+MAX_TOPICS = 4096        # namespaces beaten (the most recently subscribed)
+MAX_SNAPSHOT_KEYS = 1 << 20   # 16 MiB of digests: a reply must fit limits.MAX_HEADER_BYTES
+
+
+@functools.lru_cache(maxsize=1024)
+def _public(token: str, role: str, tenant: str) -> bytes:
+    """The Z85 CURVE public key of a role's (and tenant's) credential (~0.1 ms: cached)."""
+    return Credential(role, tenant, _seed(token, role, tenant), b"").keys().public
+
+
+def may_follow(token: str, user: str, namespace: str) -> bool:
+    """Whether the peer with CURVE key ``user`` may follow ``namespace``: the admin, or a client
+    of the namespace's tenant."""
+    if not token:
+        return True
+    if not user:
+        return False
+    got = user.encode()
+    return hmac.compare_digest(got, _public(token, "admin", "")) or \
+        hmac.compare_digest(got, _public(token, "client", tenant_of(namespace + "/")))
+
+
+def _user(frame: zmq.Frame) -> str:
+    """The CURVE key the subscriber proved (Z85), "" when ZeroMQ has none for it."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:
+        return ""
+
+
+class Publisher:
+    """The XPUB of one master; ``flush(journal, nodes)`` once a loop turn."""
+
+    def __init__(self, ctx: zmq.Context, guard: Guard, host: str, port: int, epoch: str,
+                 beat_s: float):
+        self.sock = guard.secure(ctx.socket(zmq.XPUB), R.MAX_TOPIC)
+        self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        try:
+            if port == 0:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self.sock.close(0)
+            raise
+        self.token = guard.token
+        self.epoch = epoch
+        self.beat_s = beat_s
+        self.seq: dict[str, int] = {}           # namespace -> its last update number
+        self.topics: OrderedDict[str, None] = OrderedDict()  # subscribed namespaces (beats)
+        self.counters = {"residency_updates": 0, "residency_beats": 0, "residency_dropped": 0,
+                         "residency_refused": 0, "residency_subscriptions": 0}
+        self._next_beat = 0.0
+
+    def on_readable(self) -> None:
+        """Subscriptions: pass on those the subscriber may have (see the module docstring)."""
+        for _ in range(256):
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            data = frame.bytes
+            if not data or data[0] not in (0, 1):
+                continue
+            ns = R.namespace_of_topic(data[1:])
+            if ns is None:
+                self.counters["residency_refused"] += 1
+                continue
+            if data[0] == 0:        # (the subscriber's own pipe: it only ever had its own)
+                self.sock.setsockopt(zmq.UNSUBSCRIBE, data[1:])
+                continue
+            if not may_follow(self.token, _user(frame) if self.token else "", ns):
+                self.counters["residency_refused"] += 1
+                log.warning("refused a residency subscription to namespace %r (not the "
+                            "subscriber's tenant)", ns[:80])
+                continue
+            # applies to the pipe of the message just received (XPUB_MANUAL)
+            self.sock.setsockopt(zmq.SUBSCRIBE, data[1:])
+            self.counters["residency_subscriptions"] += 1
+            self.topics[ns] = None
+            self.topics.move_to_end(ns)
+            if len(self.topics) > MAX_TOPICS:
+                self.topics.popitem(last=False)
+
+    def _send(self, ns: str, update: R.Update) -> None:
+        try:
+            self.sock.send_multipart([R.topic(ns), R.encode(update)], zmq.NOBLOCK)
+        except zmq.Again:   # (an XPUB drops rather than blocks; NOBLOCK makes sure)
+            self.counters["residency_dropped"] += 1
+
+    def flush(self, journal: dict, nodes: Callable[[], dict], moved: dict, now: float) -> None:
+        """Send the turn's changes (``journal``: namespace -> {digest: present}; emptied) with
+        the nodes whose reports moved (``moved``), and the beats that are due."""
+        for ns, changes in journal.items():
+            items = list(changes.items())
+            for i in range(0, len(items), R.CHUNK):
+                part = items[i:i + R.CHUNK]
+                seq = self.seq[ns] = self.seq.get(ns, 0) + 1
+                self._send(ns, R.Update(self.epoch, seq,
+                                        b"".join(d for d, present in part if present),
+                                        b"".join(d for d, present in part if not present), moved))
+                self.counters["residency_updates"] += 1
+        journal.clear()
+        if now >= self._next_beat and self.topics:
+            self._next_beat = now + self.beat_s
+            every = nodes()
+            for ns in self.topics:
+                self._send(ns, R.Update(self.epoch, self.seq.get(ns, 0), b"", b"", every, True))
+                self.counters["residency_beats"] += 1
