@@ -28,6 +28,7 @@ from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 from .batch import check_batch, check_keys
 from .circuit import Circuit
+from .view import ResidencyView
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ class StoreClient:
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
+        # "auto" is on where the SGLang backend asks for it (it replaces the setting)
+        self.view = ResidencyView(self.ctx, cfg.master, cfg.token, cfg.timeout_s) \
+            if cfg.view == "on" else None
         self._closed = False
 
     # -------------------------------------------------------------- plumbing
@@ -206,7 +210,16 @@ class StoreClient:
             return 0
         return self._guard(lambda: self._exists(keys), 0)
 
+    def follow(self, namespace: str) -> None:
+        """Keep the residency view of ``namespace`` from now on (a lookup in one starts it too)."""
+        if self.view is not None:
+            self.view.follow(namespace)
+
     def _exists(self, keys: list[str]) -> int:
+        if self.view is not None:
+            count = self.view.exists(keys, self._after())
+            if count is not None:
+                return count
         reply = self._master(P.ExistsRequest(keys, self._after()), self._deadline())
         self._learn(reply.nodes)
         if len(self._where) > LOCATION_CACHE_MAX:
@@ -231,8 +244,13 @@ class StoreClient:
         keys = check_keys(keys)
         if not keys:
             return []
-        return self._guard(lambda: list(self._master(P.ContainsRequest(keys, self._after()), self._deadline()).present),
-                           [False] * len(keys))
+        def run():
+            after = self._after()
+            found = self.view.contains(keys, after) if self.view is not None else None
+            if found is None:
+                found = list(self._master(P.ContainsRequest(keys, after), self._deadline()).present)
+            return found
+        return self._guard(run, [False] * len(keys))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes). False = miss."""
@@ -346,6 +364,7 @@ class StoreClient:
         cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
         own = dict(self.counters, checksum_failures=self.checks.failures,
                    circuit_opens=self.circuit.opens,
+                   **(self.view.counters if self.view is not None else {}),
                    **{f"te_{k}": v for k, v in self.te.counters.items()})
         return {"cluster": cluster, "client": own}
 
@@ -353,6 +372,8 @@ class StoreClient:
         if self._closed:
             return
         self._closed = True
+        if self.view is not None:
+            self.view.close()
         with self._channels_lock:
             for ch in self._channels:
                 ch.close()

@@ -1,0 +1,257 @@
+"""A client's residency view: which keys of its namespaces the store holds, kept locally.
+
+``batch_exists`` / ``batch_contains`` answer from the view when it is in sync, else the client
+asks the master as it would without one. The view follows the master's publisher
+(master/publisher.py) per namespace, after the ZeroMQ guide's Clone pattern:
+
+- snapshot: ``SnapshotRequest`` on the master's ROUTER gives the namespace's digests, its last
+  update number, the master's epoch, each node's applied reports and the publisher's port;
+- subscribe (``<namespace>/``) and apply the numbered updates that follow the snapshot;
+- in sync only once a beat or update confirms the numbers follow on (the subscription may have
+  taken effect after the snapshot); out of sync, and a new snapshot, on a gap, another epoch
+  (a restarted master) or 3 beats of silence (a partition, a stalled publisher or view thread).
+
+Consistency. The view says "stored" for a key the master had on a live node when it sent the
+update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
+wrong byte; a stale "not stored" is a miss. Read-your-writes: a writer's next lookup names its
+latest commit per node (a fence, see client.py); the view answers it only when it has seen that
+node's reports up to that commit (each update and beat says how far the master had applied
+each node's reports), else the master answers as before.
+
+All subscriber work runs on one background thread; callers only read (no lock: see
+client/digests.py), so a lookup never waits for it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+
+from .. import protocol as P
+from .. import residency as R
+from ..auth import credential, secure_client
+from ..errors import HicacheError, RemoteError
+from ..rpc import Channel, host_of
+from .digests import DigestSet, prefixes
+
+log = logging.getLogger(__name__)
+
+STALE_BEATS = 3         # a namespace silent for this many beats is out of sync
+RETRY_S = 0.5           # a failed snapshot is retried after this ...
+RETRY_MAX_S = 30.0      # ... doubling up to this while they keep failing
+MAX_NAMESPACES = 64     # namespaces one view follows; lookups in others ask the master
+RCVHWM = 100000         # updates queued for the view thread before ZeroMQ drops (then: a gap)
+
+
+@dataclass
+class Space:
+    """One followed namespace."""
+    ns: str
+    keys: Optional[DigestSet] = None
+    epoch: str = ""
+    seq: int = 0
+    synced: bool = False     # the snapshot's updates are known to follow on: answer from it
+    need: bool = True        # a snapshot is due
+    heard: float = 0.0       # when the last update or beat of it was applied (monotonic)
+    nodes: dict = field(default_factory=dict)   # node id -> (segment, seq) applied
+    retry_at: float = 0.0
+    failures: int = 0
+
+
+class ResidencyView:
+    """The view of one StoreClient. ``exists``/``contains`` return None when the master must
+    answer; ``close`` stops the thread."""
+
+    def __init__(self, ctx: zmq.Context, master: str, token: str, timeout_s: float):
+        self.ctx, self.master, self.token, self.timeout_s = ctx, master, token, timeout_s
+        self.spaces: dict[str, Space] = {}      # written by the view thread only
+        self.stale_s = STALE_BEATS * 0.5        # from the master's beat, once known
+        self.counters = {"view_answers": 0, "view_fallbacks": 0, "view_snapshots": 0,
+                         "view_gaps": 0, "view_stale": 0, "view_epochs": 0}
+        self._wanted: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._sub: Optional[zmq.Socket] = None
+        self._port = 0
+
+    # -------------------------------------------------------------- callers
+
+    def follow(self, ns: str) -> None:
+        """Start following ``ns`` (in the background)."""
+        if ns in self.spaces or ns in self._wanted or len(self.spaces) >= MAX_NAMESPACES:
+            return
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._wanted.add(ns)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hicache-mc-view", daemon=True)
+                self._thread.start()
+
+    def _space(self, keys: list[str], after: dict) -> Optional[Space]:
+        """The in-sync space of ``keys`` (one namespace) that has seen the fence ``after``."""
+        first = keys[0]
+        i = first.find("/")
+        if i < 0:
+            return None
+        prefix = first[:i + 1]
+        if len(keys) > 1 and not (min(keys).startswith(prefix) and max(keys).startswith(prefix)):
+            return None
+        sp = self.spaces.get(first[:i])
+        if sp is None:
+            self.follow(first[:i])
+            return None
+        if not sp.synced or time.monotonic() - sp.heard > self.stale_s:
+            return None
+        for node_id, (segment, seq) in after.items():
+            seen = sp.nodes.get(node_id)
+            # another segment: the node restarted, and which record is newer is not known here
+            if seen is None or seen[0] != segment or seen[1] < seq:
+                return None
+        return sp
+
+    def contains(self, keys: list[str], after: dict) -> Optional[list[bool]]:
+        sp = self._space(keys, after)
+        if sp is None:
+            self.counters["view_fallbacks"] += 1
+            return None
+        keys_now = sp.keys
+        found = keys_now.contains(prefixes(R.digests(keys)))
+        self.counters["view_answers"] += 1
+        return found
+
+    def exists(self, keys: list[str], after: dict) -> Optional[int]:
+        """The leading run of ``keys`` stored, or None (ask the master)."""
+        found = self.contains(keys, after)
+        if found is None:
+            return None
+        return found.index(False) if False in found else len(found)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None:
+            thread.join(5)
+
+    # -------------------------------------------------------------- the view thread
+
+    def _run(self) -> None:
+        ch = Channel(self.ctx, self.master, self.token)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    new, self._wanted = self._wanted, set()
+                for ns in new:
+                    self.spaces[ns] = Space(ns)
+                now = time.monotonic()
+                for sp in list(self.spaces.values()):
+                    self._check(sp, now, ch)
+                self._drain()
+        except Exception:       # the view is an optimisation: without it the master answers
+            log.exception("residency view stopped; lookups ask the master")
+            for sp in self.spaces.values():
+                sp.synced = False
+        finally:
+            ch.close()
+            if self._sub is not None:
+                self._sub.close(0)
+
+    def _check(self, sp: Space, now: float, ch: Channel) -> None:
+        if not sp.need and now - sp.heard > self.stale_s:
+            # no beat: a partition, a stalled publisher or this thread (or a subscription that
+            # never took effect); snapshots back off while that goes on
+            self.counters["view_stale"] += 1
+            self._resync(sp, "silent for %.1f s", now - sp.heard)
+            sp.failures += 1
+            sp.retry_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
+        if sp.need and now >= sp.retry_at:
+            self._snapshot(sp, ch)
+
+    def _resync(self, sp: Space, why: str, *args) -> None:
+        if sp.synced:
+            log.info("residency view of %s out of sync (" + why + "); asking the master meanwhile",
+                     sp.ns[:40], *args)
+        sp.synced = False
+        sp.need = True
+
+    def _snapshot(self, sp: Space, ch: Channel) -> None:
+        try:
+            reply = ch.call(P.SnapshotRequest(sp.ns), self.timeout_s)
+        except (HicacheError, zmq.ZMQError) as exc:
+            sp.failures += 1
+            permanent = isinstance(exc, RemoteError) and exc.code in ("forbidden", "too_large",
+                                                                      "unavailable", "unknown_type")
+            wait = RETRY_MAX_S if permanent else min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
+            sp.retry_at = time.monotonic() + wait
+            if sp.failures == 1 or permanent:
+                log.info("residency view of %s: no snapshot (%s); lookups ask the master",
+                         sp.ns[:40], exc)
+            return
+        self.counters["view_snapshots"] += 1
+        self.stale_s = STALE_BEATS * reply.beat_s
+        self._connect(reply.port)
+        sp.keys = DigestSet(reply.digests)
+        sp.epoch, sp.seq, sp.nodes = reply.epoch, reply.seq, dict(reply.nodes)
+        sp.need, sp.synced, sp.heard = False, False, time.monotonic()
+        self._sub.setsockopt(zmq.SUBSCRIBE, R.topic(sp.ns))
+
+    def _connect(self, port: int) -> None:
+        """A SUB to the publisher (anew when its port changed: a restarted master); ZeroMQ
+        reconnects it by itself and subscribes it again."""
+        if self._sub is not None and port == self._port:
+            return
+        if self._sub is not None:
+            self._sub.close(0)
+        host = host_of(self.master)
+        sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
+        for sp in self.spaces.values():
+            if sp.keys is not None:
+                sub.setsockopt(zmq.SUBSCRIBE, R.topic(sp.ns))
+        self._sub, self._port = sub, port
+
+    def _drain(self) -> None:
+        if self._sub is None:
+            self._stop.wait(0.05)
+            return
+        if not self._sub.poll(50):
+            return
+        for _ in range(1000):
+            try:
+                topic, body = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:      # not two frames
+                continue
+            sp = self.spaces.get(topic[:-1].decode("ascii", "replace"))
+            if sp is None or sp.need:
+                continue
+            update = R.decode(body)
+            if update is not None:
+                self._apply(sp, update)
+
+    def _apply(self, sp: Space, u: R.Update) -> None:
+        if u.epoch != sp.epoch:
+            self.counters["view_epochs"] += 1
+            return self._resync(sp, "master epoch %s, not %s", u.epoch, sp.epoch)
+        if u.seq > sp.seq + (0 if u.beat else 1):
+            self.counters["view_gaps"] += 1
+            return self._resync(sp, "update %d after %d", u.seq, sp.seq)
+        if u.seq < sp.seq or (not u.beat and u.seq == sp.seq):
+            return      # from before the snapshot
+        if u.beat:
+            sp.nodes = dict(u.nodes)
+        else:
+            sp.keys.apply(u.added, u.removed)
+            sp.seq = u.seq
+            sp.nodes.update(u.nodes)
+        sp.heard = time.monotonic()
+        sp.synced = True
+        sp.failures = 0

@@ -1,0 +1,174 @@
+"""The residency view (client/view.py) against a real master and node: it answers lookups
+locally once in sync, follows puts, clears, node expiry and a master restart, resyncs after a
+lost update, keeps read-your-writes, and never holds a caller past its deadline."""
+import time
+
+import pytest
+
+from hicache_mc.client import StoreClient
+from procs import Cluster
+
+BEAT = 0.2
+NS = "0123456789abcdef@t"
+
+
+def key(name: str, ns: str = NS) -> str:
+    return f"{ns}/{name}/k"
+
+
+def wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def synced(c: StoreClient, ns: str = NS) -> bool:
+    sp = c.view.spaces.get(ns)
+    return sp is not None and sp.synced
+
+
+def follow(c: StoreClient, ns: str = NS) -> None:
+    c.follow(ns)
+    wait(lambda: synced(c, ns), what="view in sync")
+
+
+def exists_calls(c: StoreClient) -> int:
+    return c.stats()["cluster"]["exists_calls"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path, heartbeat_s=0.2, liveness=3)
+    c.env["HICACHE_MC_MASTER_PUBLISH_BEAT_S"] = str(BEAT)
+    c.start_master()
+    c.add_node("64MiB")
+    c.wait_nodes(1)
+    yield c
+    c.stop()
+
+
+def test_view_answers_locally_and_follows_puts_and_clears(cluster):
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+        assert w.put(key("a"), b"x")
+        follow(r)
+        before = exists_calls(w)
+        answers = r.view.counters["view_answers"]
+        assert r.batch_exists([key("a"), key("b")]) == 1
+        assert w.put(key("b"), b"y")
+        wait(lambda: r.batch_exists([key("a"), key("b")]) == 2, what="put seen")
+        assert r.batch_contains([key("b"), key("zz"), key("a")]) == [True, False, True]
+        assert w.clear(NS + "/") == 2
+        wait(lambda: r.batch_exists([key("a")]) == 0, what="clear seen")
+        assert r.batch_contains([key("a"), key("b")]) == [False, False]
+        # every lookup above came from the view: the master answered none of them
+        assert exists_calls(w) == before
+        assert r.view.counters["view_answers"] > answers + 3
+
+
+def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):
+    """With the view thread held, the view is in sync but has not seen the writer's commit:
+    the writer's fence sends its lookup to the master, which finds the key."""
+    with StoreClient(cluster.master, view="on") as c:
+        assert c.put(key("own0"), b"x")
+        follow(c)
+        view = c.view
+        held = []
+        real = view._apply
+        view._apply = lambda sp, u: held.append((sp, u))     # updates arrive, are not applied
+        try:
+            assert c.put(key("own1"), b"y")
+            fallbacks = view.counters["view_fallbacks"]
+            assert c.batch_exists([key("own0"), key("own1")]) == 2
+            assert view.counters["view_fallbacks"] == fallbacks + 1
+        finally:
+            view._apply = real
+
+
+def test_a_lost_update_is_a_gap_and_the_view_resyncs(cluster):
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+        follow(r)
+        view = r.view
+        real, dropped = view._apply, []
+
+        def lose_first_update(sp, u):
+            if not u.beat and not dropped:
+                dropped.append(u.seq)       # as if ZeroMQ dropped it (HWM) on the way
+                return
+            real(sp, u)
+        view._apply = lose_first_update
+        snapshots = view.counters["view_snapshots"]
+        assert w.put(key("lost"), b"x")
+        wait(lambda: view.counters["view_gaps"] >= 1, what="gap seen")
+        wait(lambda: view.counters["view_snapshots"] > snapshots and synced(r), what="resynced")
+        answers = view.counters["view_answers"]
+        assert r.batch_exists([key("lost")]) == 1       # the new snapshot holds it
+        assert view.counters["view_answers"] == answers + 1
+        assert dropped
+
+
+def test_an_expired_node_takes_its_keys_out_of_the_view(cluster):
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on", timeout_s=1.0) as r:
+        assert w.put(key("e1"), b"x") and w.put(key("e2"), b"y")
+        follow(r)
+        assert r.batch_exists([key("e1"), key("e2")]) == 2
+        cluster.nodes[0].kill()
+        cluster.wait_nodes(0)
+        answers = r.view.counters["view_answers"]
+        wait(lambda: r.batch_contains([key("e1"), key("e2")]) == [False, False], what="expiry seen")
+        assert r.view.counters["view_answers"] > answers
+
+
+def test_master_restart_resyncs_and_a_dead_master_never_holds_a_caller(cluster):
+    with StoreClient(cluster.master) as w, \
+            StoreClient(cluster.master, view="on", timeout_s=1.0, circuit_failures=100) as r:
+        assert w.put(key("m1"), b"x")
+        follow(r)
+        old_epoch = r.view.spaces[NS].epoch
+        cluster.master_proc.kill()
+        time.sleep(3 * BEAT + 0.3)          # the view has heard nothing for 3 beats
+        t0 = time.monotonic()
+        assert r.batch_exists([key("m1")]) == 0     # not from the stale view: the master is down
+        assert time.monotonic() - t0 < 1.0 + 0.5
+        cluster.start_master()
+        cluster.wait_nodes(1)
+        cluster.wait_keys(1)                # the node's inventory
+        wait(lambda: synced(r) and r.view.spaces[NS].epoch != old_epoch, timeout_s=20,
+             what="resynced with the new master")
+        answers = r.view.counters["view_answers"]
+        assert r.batch_exists([key("m1"), key("m2")]) == 1
+        assert r.view.counters["view_answers"] == answers + 1
+
+
+def test_view_off_asks_the_master(cluster):
+    with StoreClient(cluster.master, view="off") as c:
+        assert c.view is None
+        assert c.put(key("o"), b"x")
+        before = exists_calls(c)
+        assert c.batch_exists([key("o")]) == 1
+        assert exists_calls(c) == before + 1
+
+
+def test_a_stalled_view_thread_sends_lookups_to_the_master(cluster):
+    """The view thread stops reading (a stalled subscriber) while the namespace is cleared:
+    after 3 silent beats lookups go to the master, which no longer has the key."""
+    import threading
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+        assert w.put(key("s1"), b"x")
+        follow(r)
+        view, gate = r.view, threading.Event()
+        real = view._drain
+        view._drain = gate.wait             # the thread blocks at its next read
+        try:
+            time.sleep(0.1)
+            assert w.clear(NS + "/") == 1
+            time.sleep(3 * BEAT + 0.2)
+            fallbacks = view.counters["view_fallbacks"]
+            assert r.batch_exists([key("s1")]) == 0
+            assert view.counters["view_fallbacks"] == fallbacks + 1
+        finally:
+            view._drain = real
+            gate.set()
+        wait(lambda: synced(r), what="back in sync")
+        assert r.batch_exists([key("s1")]) == 0
