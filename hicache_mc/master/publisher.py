@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 SNDHWM = 10000           # messages queued per subscriber before ZeroMQ drops its messages
 MAX_TOPICS = 4096        # namespaces beaten (the most recently subscribed)
-MAX_SNAPSHOT_KEYS = 1 << 20   # 16 MiB of digests: a reply must fit limits.MAX_HEADER_BYTES
+MAX_SNAPSHOT_KEYS = 1 << 20
+# what a subscriber may send in one message (MAXMSGSIZE): a subscription is < residency.MAX_TOPIC
+# bytes, but the CURVE handshake's messages (~300 bytes with their metadata) pass the same limit
+MAX_INBOUND = 4096   # 16 MiB of digests: a reply must fit limits.MAX_HEADER_BYTES
 
 
 @functools.lru_cache(maxsize=1024)
@@ -67,7 +70,7 @@ class Publisher:
 
     def __init__(self, ctx: zmq.Context, guard: Guard, host: str, port: int, epoch: str,
                  beat_s: float):
-        self.sock = guard.secure(ctx.socket(zmq.XPUB), R.MAX_TOPIC)
+        self.sock = guard.secure(ctx.socket(zmq.XPUB), MAX_INBOUND)
         self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         try:
