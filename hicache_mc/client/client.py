@@ -353,9 +353,13 @@ class StoreClient:
         def run():
             deadline = self._deadline()
             removed = 0
-            for node in self._master(P.StatsRequest(), deadline).stats["nodes"]:
-                ch = self._channel(node["address"])
-                removed += P.raise_if_error(ch.recv(ch.send(P.ClearRequest(prefix)), deadline)).removed
+            try:
+                for node in self._master(P.StatsRequest(), deadline).stats["nodes"]:
+                    ch = self._channel(node["address"])
+                    removed += P.raise_if_error(ch.recv(ch.send(P.ClearRequest(prefix)), deadline)).removed
+            finally:    # (some nodes may have cleared)
+                if self.view is not None:
+                    self.view.refresh(prefix)
             return removed
         return self._guard(run, 0)
 

@@ -73,6 +73,7 @@ class ResidencyView:
         self.counters = {"view_answers": 0, "view_fallbacks": 0, "view_snapshots": 0,
                          "view_gaps": 0, "view_stale": 0, "view_epochs": 0}
         self._wanted: set[str] = set()
+        self._refresh: set[str] = set()     # namespaces this client cleared: snapshot anew
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -93,6 +94,14 @@ class ResidencyView:
                 self._thread = threading.Thread(target=self._run, name="hicache-mc-view", daemon=True)
                 self._thread.start()
 
+    def refresh(self, prefix: str) -> None:
+        """This client removed the keys under ``prefix`` (a clear, answered once the master had
+        applied it): the views of the namespaces it touched answer only after a new snapshot.
+        (The removals' updates may still be on their way; a clear carries no fence.)"""
+        with self._lock:
+            self._refresh.update(ns for ns in self.spaces
+                                 if (ns + "/").startswith(prefix) or prefix.startswith(ns + "/"))
+
     def _space(self, keys: list[str], after: dict) -> Optional[Space]:
         """The in-sync space of ``keys`` (one namespace) that has seen the fence ``after``."""
         first = keys[0]
@@ -106,7 +115,7 @@ class ResidencyView:
         if sp is None:
             self.follow(first[:i])
             return None
-        if not sp.synced or time.monotonic() - sp.heard > self.stale_s:
+        if not sp.synced or time.monotonic() - sp.heard > self.stale_s or sp.ns in self._refresh:
             return None
         for node_id, (segment, seq) in after.items():
             seen = sp.nodes.get(node_id)
@@ -147,6 +156,9 @@ class ResidencyView:
             while not self._stop.is_set():
                 with self._lock:
                     new, self._wanted = self._wanted, set()
+                    for ns in self._refresh:
+                        self._resync(self.spaces[ns], "cleared")
+                    self._refresh.clear()
                 for ns in new:
                     self.spaces[ns] = Space(ns)
                 now = time.monotonic()

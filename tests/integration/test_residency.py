@@ -172,3 +172,14 @@ def test_a_stalled_view_thread_sends_lookups_to_the_master(cluster):
             gate.set()
         wait(lambda: synced(r), what="back in sync")
         assert r.batch_exists([key("s1")]) == 0
+
+
+def test_a_client_that_clears_sees_its_clear_at_once(cluster):
+    """A clear carries no fence: the clearing client's view answers only after a new snapshot."""
+    with StoreClient(cluster.master, view="on") as c:
+        for i in range(20):
+            assert c.put(key(f"c{i}"), b"x")
+            follow(c)
+            assert c.batch_exists([key(f"c{i}")]) == 1
+            assert c.clear(NS + "/") == 1
+            assert c.batch_exists([key(f"c{i}")]) == 0
