@@ -18,6 +18,7 @@ list or a count: any failure becomes a miss / ``False``, logged once per episode
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, List, Optional
@@ -44,6 +45,8 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self.storage_config = storage_config
         self.client_config, self.settings = load_settings(
             getattr(storage_config, "extra_config", None))
+        if self.client_config.view == "auto":   # every prefetch probes: answer it locally
+            self.client_config = dataclasses.replace(self.client_config, view="on")
         self.client = StoreClient(config=self.client_config)
         self.metrics = BatchMetrics()
         self.episodes = EpisodeLog()
@@ -88,6 +91,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
         self.geometry = geo
         self.namespace = self._namespace(mem_pool_host, geo)
+        self.client.follow(self.namespace)      # the residency view, ready for the first probe
         if geo.zero_copy:   # the store reads / writes these directly
             buffers = getattr(mem_pool_host, "get_hybrid_pool_buffer", None)
             for t in (buffers() if buffers else [mem_pool_host.kv_buffer]):

@@ -244,3 +244,31 @@ def test_bad_calls_answer_misses_instead_of_raising(shared_store):
     backend.close()
     assert backend.batch_exists(keys) == 0                  # closed client: still no exception
     assert backend.batch_get_v1(keys, slots(pool, 2)) == [False, False]
+
+
+def test_the_backend_answers_probes_from_its_residency_view(shared_store):
+    """On by default: once the view of the backend's namespace is in sync, batch_exists is
+    answered locally (and still right); view = off asks the master every time."""
+    import time
+    pool = mha_host("page_first")
+    backend = make_backend(pool, shared_store.master)
+    view = backend.client.view
+    assert view is not None
+    keys = page_hashes(3, pool.page_size)
+    idx = slots(pool, 3)
+    fill_random(pool, idx, seed=9)
+    per = pool.page_size
+    assert backend.batch_set_v1(keys[:2], idx[:2 * per]) == [True, True]
+    end = time.monotonic() + 10
+    while not (view.spaces.get(backend.namespace) and view.spaces[backend.namespace].synced):
+        assert time.monotonic() < end, "the backend's view never came in sync"
+        time.sleep(0.02)
+    answers = view.counters["view_answers"]
+    assert backend.batch_exists(keys) == 2
+    assert view.counters["view_answers"] == answers + 1
+    assert backend.batch_get_v1(keys[:2], idx[:2 * per]) == [True, True]
+    backend.close()
+    off = make_backend(mha_host("page_first"), shared_store.master, view="off")
+    assert off.client.view is None
+    assert off.batch_exists(keys) == 2
+    off.close()
