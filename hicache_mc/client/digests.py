@@ -41,14 +41,26 @@ class DigestSet:
     def contains(self, q: np.ndarray) -> list[bool]:
         """Per prefix in ``q``: is it in the set?"""
         base, added, removed = self._state
-        if len(base):
-            idx = np.minimum(np.searchsorted(base, q), len(base) - 1)
-            hit = (base[idx] == q).tolist()
-        else:
-            hit = [False] * len(q)
+        hit = self._in_base(base, q).tolist()
         if not added and not removed:
             return hit
         return [x in added or (h and x not in removed) for x, h in zip(q.tolist(), hit)]
+
+    def leading(self, q: np.ndarray) -> int:
+        """How many prefixes of ``q``, from the first, are in the set (``contains``'s leading
+        run, without a Python list on the usual path: no delta)."""
+        base, added, removed = self._state
+        if added or removed:
+            found = self.contains(q)
+            return found.index(False) if False in found else len(found)
+        hit = self._in_base(base, q)
+        return len(q) if hit.all() else int(hit.argmin())
+
+    @staticmethod
+    def _in_base(base: np.ndarray, q: np.ndarray) -> np.ndarray:
+        if not len(base):
+            return np.zeros(len(q), dtype=bool)
+        return base[np.minimum(np.searchsorted(base, q), len(base) - 1)] == q
 
     def apply(self, added: bytes, removed: bytes) -> None:
         """The set becomes (set - removed) | added (one update: the two are disjoint)."""

@@ -125,21 +125,22 @@ class ResidencyView:
         return sp
 
     def contains(self, keys: list[str], after: dict) -> Optional[list[bool]]:
+        """Per key: stored? Or None (ask the master)."""
         sp = self._space(keys, after)
         if sp is None:
             self.counters["view_fallbacks"] += 1
             return None
-        keys_now = sp.keys
-        found = keys_now.contains(prefixes(R.digests(keys)))
         self.counters["view_answers"] += 1
-        return found
+        return sp.keys.contains(prefixes(R.digests(keys)))
 
     def exists(self, keys: list[str], after: dict) -> Optional[int]:
         """The leading run of ``keys`` stored, or None (ask the master)."""
-        found = self.contains(keys, after)
-        if found is None:
+        sp = self._space(keys, after)
+        if sp is None:
+            self.counters["view_fallbacks"] += 1
             return None
-        return found.index(False) if False in found else len(found)
+        self.counters["view_answers"] += 1
+        return sp.keys.leading(prefixes(R.digests(keys)))
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,46 @@
+"""The residency view's compact key set (client/digests.py) against a Python set model."""
+import os
+import random
+
+import numpy as np
+import pytest
+
+import hicache_mc.client.digests as D
+from hicache_mc.client.digests import DigestSet, prefixes
+
+
+def _digests(n: int) -> bytes:
+    return os.urandom(16 * n)
+
+
+def _as_digests(values) -> bytes:
+    return b"".join(int(x).to_bytes(8, "little") * 2 for x in values)
+
+
+@pytest.mark.parametrize("fold_at", [4, 1 << 15])   # fold into the array often, or never
+def test_updates_and_lookups_match_a_set(monkeypatch, fold_at):
+    monkeypatch.setattr(D, "FOLD_AT", fold_at)
+    rng = random.Random(fold_at)
+    first = _digests(200)
+    view, model = DigestSet(first), set(prefixes(first).tolist())
+    for _ in range(300):
+        added = _digests(rng.randint(0, 6))
+        removed = _as_digests(rng.sample(sorted(model), 2))
+        view.apply(added, removed)
+        model -= set(prefixes(removed).tolist())
+        model |= set(prefixes(added).tolist())
+        absent = prefixes(_digests(3))
+        q = np.array(rng.sample(sorted(model), 5) + absent.tolist() + rng.sample(sorted(model), 2),
+                     dtype=np.uint64)
+        found = view.contains(q)
+        assert found == [x in model for x in q.tolist()]
+        assert view.leading(q) == 5 and view.leading(q[:5]) == 5 and view.leading(q[5:]) == 0
+
+
+def test_a_key_removed_then_stored_again_is_present():
+    d = _digests(1)
+    view = DigestSet(d)
+    view.apply(b"", d)
+    assert view.contains(prefixes(d)) == [False]
+    view.apply(d, b"")
+    assert view.contains(prefixes(d)) == [True] and view.leading(prefixes(d)) == 1
