@@ -14,7 +14,8 @@ iteration, in a fresh order each time, so drift and the background work one syst
 after a call hit the others alike; one warm-up iteration is not counted. Source and destination
 buffers are the same for every system and registered with both (Mooncake's zero-copy API needs
 it; hicache-mc's TE path uses it). Then ``batch_is_exist`` against ``batch_exists`` of 128
-stored keys. Prints a table (GB/s, objects/s, p50/p99 per batch, hicache-mc / Mooncake ratios)
+stored keys (hicache-mc also with its residency view, ``view=on``: answered in the client once
+the view is in sync). ``--exists-only`` runs only that. Prints a table (GB/s, objects/s, p50/p99 per batch, hicache-mc / Mooncake ratios)
 and writes ``results/bench_vs_mooncake.json`` and ``.png``.
 """
 from __future__ import annotations
@@ -125,9 +126,9 @@ class MooncakeSide:
 class HicacheSide:
     """StoreClient with one transport."""
 
-    def __init__(self, master: str, transport: str):
-        self.name = f"hicache-mc {transport}"
-        self.client = StoreClient(master, transport=transport)
+    def __init__(self, master: str, transport: str, view: str = "off"):
+        self.name = f"hicache-mc {transport}" + (" + view" if view == "on" else "")
+        self.client = StoreClient(master, transport=transport, view=view)
 
     def register(self, arrays) -> None:
         for a in arrays:
@@ -200,6 +201,16 @@ def exists_case(sides, n: int, reps: int) -> list[dict]:
         side.register([buf])
         keys[side.name] = [f"vs-exists/{side.name.replace(' ', '-')}/{i}" for i in range(n)]
         assert side.put(keys[side.name], [buf.ctypes.data] * n, [4096] * n) == n
+    for side in sides:      # a view answers once in sync with the keys' namespace
+        view = getattr(getattr(side, "client", None), "view", None)
+        if view is not None:
+            ns = keys[side.name][0].split("/", 1)[0]
+            side.client.follow(ns)
+            end = time.monotonic() + 10
+            while not (view.spaces.get(ns) and view.spaces[ns].synced):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"{side.name}: the view never came in sync")
+                time.sleep(0.01)
     for rep in range(reps):
         for side in shuffled(sides, rep):
             t0 = time.perf_counter()
@@ -257,6 +268,7 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--segment", default="2GiB", help="DRAM of the hicache-mc node and of the Mooncake holder")
     ap.add_argument("--exists-reps", type=int, default=2000)
+    ap.add_argument("--exists-only", action="store_true", help="only batch_is_exist / batch_exists")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -266,7 +278,7 @@ def main():
     with mooncake_store(segment) as mc, \
             store_process(args.segment, {"HICACHE_MC_TE_PROTOCOL": "tcp"}) as master:
         sides = [MooncakeSide(mc)] + [HicacheSide(master, t) for t in TRANSPORTS]
-        for size in sizes:
+        for size in ([] if args.exists_only else sizes):
             rng = np.random.default_rng(size)
             n = max(batches)
             src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
@@ -282,22 +294,26 @@ def main():
             for a in src + dst:
                 mc.unregister_buffer(a.ctypes.data)
             del src, dst
+        sides.append(HicacheSide(master, "shm", view="on"))
         exists = exists_case(sides, 128, args.exists_reps)
         for side in sides[1:]:
             side.client.close()
     cols = [("object", ""), ("batch", "d"), ("system", ""), ("put_gbps", ".2f"), ("put_x_mooncake", ".2f"),
             ("get_gbps", ".2f"), ("get_x_mooncake", ".2f"), ("put_ops", ".0f"), ("get_ops", ".0f"),
             ("put_p50_ms", ".1f"), ("put_p99_ms", ".1f"), ("get_p50_ms", ".1f"), ("get_p99_ms", ".1f")]
-    print(f"{args.iters} iterations after one warm-up, medians; ratios = hicache-mc / Mooncake Store")
-    print(table(rows, cols))
-    print()
+    if rows:
+        print(f"{args.iters} iterations after one warm-up, medians; ratios = hicache-mc / Mooncake Store")
+        print(table(rows, cols))
+        print()
     print(table(exists, [("system", ""), ("keys", "d"), ("p50_ms", ".3f"), ("p99_ms", ".3f"),
                          ("calls_per_s", ".0f"), ("speedup_vs_mooncake", ".2f")]))
-    png = os.path.join(RESULTS, "bench_vs_mooncake.png")
-    chart(rows, exists, png)
-    path = write_json("bench_vs_mooncake.json", {"args": vars(args), "rows": rows, "exists": exists,
-                                                 "seconds": time.time() - t_start})
-    print(f"wrote {path} and {png} ({time.time() - t_start:.0f} s)")
+    name = "bench_vs_mooncake_exists" if args.exists_only else "bench_vs_mooncake"
+    png = os.path.join(RESULTS, name + ".png")
+    if not args.exists_only:
+        chart(rows, exists, png)
+    path = write_json(name + ".json", {"args": vars(args), "rows": rows, "exists": exists,
+                                       "seconds": time.time() - t_start})
+    print(f"wrote {path}{'' if args.exists_only else ' and ' + png} ({time.time() - t_start:.0f} s)")
 
 
 if __name__ == "__main__":
