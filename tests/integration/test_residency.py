@@ -183,3 +183,24 @@ def test_a_client_that_clears_sees_its_clear_at_once(cluster):
             assert c.batch_exists([key(f"c{i}")]) == 1
             assert c.clear(NS + "/") == 1
             assert c.batch_exists([key(f"c{i}")]) == 0
+
+
+def test_a_master_that_publishes_nothing_still_answers(tmp_path):
+    """publish_port -1: no snapshot to be had; every lookup goes to the master, correctly."""
+    c = Cluster(tmp_path)
+    c.env["HICACHE_MC_MASTER_PUBLISH_PORT"] = "-1"
+    c.start_master()
+    c.add_node("64MiB")
+    c.wait_nodes(1)
+    try:
+        with StoreClient(c.master, view="on") as r:
+            assert r.put(key("np"), b"x")
+            r.follow(NS)
+            wait(lambda: r.view.spaces.get(NS) is not None and r.view.spaces[NS].failures >= 1,
+                 what="snapshot refused")
+            assert not synced(r)
+            assert r.batch_exists([key("np"), key("nq")]) == 1
+            assert r.batch_contains([key("nq"), key("np")]) == [False, True]
+            assert r.view.counters["view_answers"] == 0
+    finally:
+        c.stop()
