@@ -1,7 +1,9 @@
 """The residency wire: what the master's publisher sends and a client's view reads.
 
 One ZeroMQ message of two frames per update: the topic, ``<namespace>/`` (a namespace holds no
-'/', so one namespace's topic is never a prefix of another's), and an ``Update``. Each
+'/' and no '#', so one namespace's topic is never a prefix of another's), and an ``Update``.
+A second topic per namespace, ``<namespace>#``, carries the keys themselves (``KeyUpdate``) for
+an event bridge (sglang/kv_events.py): the master builds it only while someone follows it. Each
 namespace numbers its updates 1, 2, 3, ... within one master epoch; a beat repeats the last
 number, so a subscriber that missed an update learns it within a beat. The digests are the
 keys' xxh3-128 digests (16 bytes each, end to end), as the master's index holds them.
@@ -14,7 +16,7 @@ import msgspec
 from msgspec import Meta
 from xxhash import xxh3_128_digest
 
-from .limits import MAX_HEADER_BYTES, MAX_KEYS, Fence, Name, U64
+from .limits import MAX_HEADER_BYTES, MAX_KEY_BYTES, MAX_KEYS, Fence, Name, U64
 
 DIGEST = 16
 CHUNK = MAX_KEYS            # digests per update at most (a node's expiry is sent in chunks)
@@ -32,12 +34,31 @@ class Update(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields
     beat: bool = False      # no change: "the last update of this namespace is seq"
 
 
+class KeyUpdate(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The keys stored and removed in one master loop turn (``<namespace>#``). Removals whose
+    keys the master does not know (an expired node's: its index holds digests) are only in
+    the namespace's ``Update``."""
+    epoch: Name
+    seq: U64                # numbered apart from the namespace's Updates; a beat repeats it
+    stored: Annotated[list[Annotated[str, Meta(max_length=MAX_KEY_BYTES)]], Meta(max_length=MAX_KEYS)]
+    removed: Annotated[list[Annotated[str, Meta(max_length=MAX_KEY_BYTES)]], Meta(max_length=MAX_KEYS)]
+    beat: bool = False
+
+
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(Update)
+_DEC_KEYS = msgspec.msgpack.Decoder(KeyUpdate)
 
 
-def encode(update: Update) -> bytes:
+def encode(update) -> bytes:
     return _ENC.encode(update)
+
+
+def decode_keys(frame) -> Optional[KeyUpdate]:
+    try:
+        return _DEC_KEYS.decode(frame)
+    except msgspec.DecodeError:
+        return None
 
 
 def decode(frame) -> Optional[Update]:
@@ -53,13 +74,18 @@ def topic(namespace: str) -> bytes:
     return namespace.encode() + b"/"
 
 
-def namespace_of_topic(data: bytes) -> Optional[str]:
-    """The namespace a subscription names, or None when it names none (no prefix
-    subscriptions: a topic is exactly ``<namespace>/``)."""
-    if not data.endswith(b"/") or len(data) > MAX_TOPIC or data.count(b"/") != 1:
+def key_topic(namespace: str) -> bytes:
+    return namespace.encode() + b"#"
+
+
+def namespace_of_topic(data: bytes) -> Optional[tuple[str, bool]]:
+    """(namespace, whether the keys topic) of a subscription, or None when it names no
+    namespace (no prefix subscriptions: a topic is exactly ``<namespace>/`` or ``<namespace>#``)."""
+    if len(data) > MAX_TOPIC or not data[-1:] in (b"/", b"#") or \
+            data.count(b"/") + data.count(b"#") != 1:
         return None
     try:
-        return data[:-1].decode("ascii")
+        return data[:-1].decode("ascii"), data.endswith(b"#")
     except UnicodeDecodeError:
         return None
 

@@ -75,6 +75,9 @@ class KeyIndex:
     def __init__(self):
         self._ns: dict[str, dict[bytes, int]] = {}
         self.journal: Optional[dict[str, dict[bytes, bool]]] = None
+        # the keys themselves, {namespace: {key: present}}, for the namespaces in key_spaces only
+        self.key_journal: dict[str, dict[str, bool]] = {}
+        self.key_spaces: set[str] = set()
 
     def __len__(self) -> int:
         return sum(map(len, self._ns.values()))
@@ -105,6 +108,9 @@ class KeyIndex:
                 part = [digests[i] for i in pos]
                 sub.update(zip(part, [values[i] for i in pos]))
                 self._note(ns, part, True)
+            if ns in self.key_spaces:
+                self.key_journal.setdefault(ns, {}).update(
+                    dict.fromkeys(keys if len(pos) == len(keys) else [keys[i] for i in pos], True))
 
     def get(self, key: str) -> Optional[tuple[int, int, int]]:
         v = self._ns.get(namespace_of(key), _EMPTY).get(_d(key))
@@ -139,6 +145,8 @@ class KeyIndex:
             if not sub:
                 del self._ns[ns]
             self._note(ns, (d,), False)
+            if ns in self.key_spaces:
+                self.key_journal.setdefault(ns, {})[key] = False
             return True
         return False
 

@@ -21,7 +21,7 @@ import functools
 import hmac
 import logging
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
 
 import zmq
 
@@ -87,6 +87,10 @@ class Publisher:
         self.beat_s = beat_s
         self.seq: dict[str, int] = {}           # namespace -> its last update number
         self.topics: OrderedDict[str, None] = OrderedDict()  # subscribed namespaces (beats)
+        # namespaces whose keys someone follows (an event bridge) ...
+        self.key_topics: OrderedDict[str, None] = OrderedDict()
+        self.key_seq: dict[str, int] = {}
+        self.key_spaces: set[str] = set()   # ... shared with KeyIndex.key_spaces: it journals them
         self.counters = {"residency_updates": 0, "residency_beats": 0, "residency_dropped": 0,
                          "residency_refused": 0, "residency_subscriptions": 0}
         self._next_beat = 0.0
@@ -101,10 +105,11 @@ class Publisher:
             data = frame.bytes
             if not data or data[0] not in (0, 1):
                 continue
-            ns = R.namespace_of_topic(data[1:])
-            if ns is None:
+            named = R.namespace_of_topic(data[1:])
+            if named is None:
                 self.counters["residency_refused"] += 1
                 continue
+            ns, keys = named
             if data[0] == 0:        # (the subscriber's own pipe: it only ever had its own)
                 self.sock.setsockopt(zmq.UNSUBSCRIBE, data[1:])
                 continue
@@ -116,20 +121,36 @@ class Publisher:
             # applies to the pipe of the message just received (XPUB_MANUAL)
             self.sock.setsockopt(zmq.SUBSCRIBE, data[1:])
             self.counters["residency_subscriptions"] += 1
-            self.topics[ns] = None
-            self.topics.move_to_end(ns)
-            if len(self.topics) > MAX_TOPICS:
-                self.topics.popitem(last=False)
+            topics = self.key_topics if keys else self.topics
+            topics[ns] = None
+            topics.move_to_end(ns)
+            if len(topics) > MAX_TOPICS:
+                topics.popitem(last=False)
+            if keys:
+                self.key_spaces.clear()
+                self.key_spaces.update(self.key_topics)
 
-    def _send(self, ns: str, update: R.Update) -> None:
+    def _send(self, ns: str, update) -> None:
+        topic = R.key_topic(ns) if isinstance(update, R.KeyUpdate) else R.topic(ns)
         try:
-            self.sock.send_multipart([R.topic(ns), R.encode(update)], zmq.NOBLOCK)
+            self.sock.send_multipart([topic, R.encode(update)], zmq.NOBLOCK)
         except zmq.Again:   # (an XPUB drops rather than blocks; NOBLOCK makes sure)
             self.counters["residency_dropped"] += 1
 
-    def flush(self, journal: dict, nodes: Callable[[], dict], moved: dict, now: float) -> None:
+    def flush(self, journal: dict, nodes: Callable[[], dict], moved: dict, now: float,
+              key_journal: Optional[dict] = None) -> None:
         """Send the turn's changes (``journal``: namespace -> {digest: present}; emptied) with
-        the nodes whose reports moved (``moved``), and the beats that are due."""
+        the nodes whose reports moved (``moved``), the keys of the followed namespaces
+        (``key_journal``: namespace -> {key: present}; emptied), and the beats that are due."""
+        for ns, changes in (key_journal or {}).items():
+            items = list(changes.items())
+            for i in range(0, len(items), R.CHUNK):
+                part = items[i:i + R.CHUNK]
+                seq = self.key_seq[ns] = self.key_seq.get(ns, 0) + 1
+                self._send(ns, R.KeyUpdate(self.epoch, seq, [k for k, p in part if p],
+                                           [k for k, p in part if not p]))
+        if key_journal:
+            key_journal.clear()
         for ns, changes in journal.items():
             items = list(changes.items())
             for i in range(0, len(items), R.CHUNK):
@@ -146,3 +167,5 @@ class Publisher:
             for ns in self.topics:
                 self._send(ns, R.Update(self.epoch, self.seq.get(ns, 0), b"", b"", every, True))
                 self.counters["residency_beats"] += 1
+            for ns in self.key_topics:
+                self._send(ns, R.KeyUpdate(self.epoch, self.key_seq.get(ns, 0), [], [], True))

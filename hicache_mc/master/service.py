@@ -60,6 +60,7 @@ class MasterService(Service):
             self.publisher = Publisher(self.ctx, self.guard, config.host, config.publish_port,
                                        self.epoch, config.publish_beat_s)
             self.index.journal = {}
+            self.index.key_spaces = self.publisher.key_spaces    # one set: the publisher fills it
             self.add_socket(self.publisher.sock, self.publisher.on_readable)
         self.enable_metrics(config.metrics_host, config.metrics_port)
 
@@ -76,7 +77,8 @@ class MasterService(Service):
         if now >= self._next_expiry:
             self._expire(now)
         if self.publisher is not None:
-            self.publisher.flush(self.index.journal, self._node_marks, self._moved, now)
+            self.publisher.flush(self.index.journal, self._node_marks, self._moved, now,
+                                 self.index.key_journal)
             self._moved = {}
 
     def _node_marks(self) -> dict:

@@ -58,3 +58,18 @@ def test_placement_of_a_batch_that_fits_one_local_node_goes_there_whole():
     assert reg.place([300, 300, 300], "h1") == ["n1"] * 3
     # n1 has 100 left: the next batch does not fit it and spills to the most free node
     assert reg.place([300, 100], "h1") == ["n2", "n1"]
+
+
+def test_the_journal_keeps_each_namespaces_last_change_and_keys_where_followed():
+    from hicache_mc.residency import digests
+    idx = KeyIndex()
+    idx.journal, idx.key_spaces = {}, {"a"}
+    idx.add_many(["a/1", "a/2", "b/1"], 0, [1, 1, 1], [0, 0, 0])
+    assert idx.remove("a/1", 0) and not idx.remove("b/1", 5)      # only the holder removes
+    assert idx.journal == {"a": {digests(["a/1"]): False, digests(["a/2"]): True},
+                           "b": {digests(["b/1"]): True}}
+    assert idx.key_journal == {"a": {"a/1": False, "a/2": True}}   # b: nobody follows its keys
+    assert idx.digests("a") == digests(["a/2"]) and idx.namespace_size("b") == 1
+    idx.journal.clear()
+    assert idx.drop_slot(0) == 2 and len(idx) == 0
+    assert idx.journal == {"a": {digests(["a/2"]): False}, "b": {digests(["b/1"]): False}}

@@ -1,5 +1,6 @@
-"""Residency with a token: the publisher passes a subscription on only for the subscriber's own
-tenant (or the admin), and a snapshot of another tenant's namespace is refused."""
+"""Residency with a token: the publisher passes a subscription (to a namespace's updates or to
+its keys) on only for the subscriber's own tenant (or the admin), and a snapshot of another
+tenant's namespace is refused."""
 import time
 
 import zmq
@@ -17,8 +18,9 @@ NS_B = "0123456789abcdef@teamB"
 
 def _sub(port: int, cred, namespaces) -> zmq.Socket:
     sock = secure_client(zmq.Context.instance().socket(zmq.SUB), cred, P.MAX_HEADER_BYTES)
-    for ns in namespaces:
+    for ns in namespaces:                  # the view's topic and the event bridge's (keys)
         sock.setsockopt(zmq.SUBSCRIBE, R.topic(ns))
+        sock.setsockopt(zmq.SUBSCRIBE, R.key_topic(ns))
     sock.connect(f"tcp://127.0.0.1:{port}")
     return sock
 
@@ -29,7 +31,7 @@ def _topics(sock: zmq.Socket, seconds: float) -> dict:
     while time.monotonic() < end:
         if sock.poll(50):
             topic, body = sock.recv_multipart()
-            assert R.decode(body) is not None
+            assert (R.decode_keys(body) if topic.endswith(b"#") else R.decode(body)) is not None
             got[topic] = got.get(topic, 0) + 1
     return got
 
@@ -50,8 +52,8 @@ def test_a_tenant_follows_only_its_own_namespaces(guarded):
     finally:
         admin.close(0)
         tenant.close(0)
-    assert set(seen_admin) == {R.topic(NS_A), R.topic(NS_B)}
-    assert set(seen_tenant) == {R.topic(NS_A)}
+    assert set(seen_admin) == {R.topic(NS_A), R.topic(NS_B), R.key_topic(NS_A), R.key_topic(NS_B)}
+    assert set(seen_tenant) == {R.topic(NS_A), R.key_topic(NS_A)}
     assert cluster.stats()["residency_refused"] >= before + 1
 
 
