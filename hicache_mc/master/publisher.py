@@ -7,7 +7,9 @@ a silent topic sends it back for a new snapshot.
 
 Cost to the master: the index journals each change (``KeyIndex.journal``); once a loop turn the
 publisher sends one message per changed namespace (in chunks of ``residency.CHUNK`` digests)
-and, every ``beat_s``, a beat per subscribed namespace. Sends never block: past ``SNDHWM``
+and, every ``beat_s``, a beat per subscribed namespace. The keys themselves (topic
+``<namespace>#``, for the KV-event bridge) are journalled and sent only for namespaces someone
+follows that way. Sends never block: past ``SNDHWM``
 queued messages ZeroMQ drops a slow subscriber's messages, which it notices as a gap.
 
 Authorization per topic: the socket is an XPUB with ``XPUB_MANUAL``, so a subscription takes
