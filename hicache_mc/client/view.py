@@ -9,7 +9,8 @@ asks the master as it would without one. The view follows the master's publisher
 - subscribe (``<namespace>/``) and apply the numbered updates that follow the snapshot;
 - in sync only once a beat or update confirms the numbers follow on (the subscription may have
   taken effect after the snapshot); out of sync, and a new snapshot, on a gap, another epoch
-  (a restarted master) or 3 beats of silence (a partition, a stalled publisher or view thread).
+  (a restarted master), a dropped connection to the publisher (a master that exited: noticed
+  at once) or 3 beats of silence (a partition, a stalled publisher or view thread).
 
 Consistency. The view says "stored" for a key the master had on a live node when it sent the
 update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 
 STALE_BEATS = 3         # a namespace silent for this many beats is out of sync
 RETRY_S = 0.5           # a failed snapshot is retried after this ...
-RETRY_MAX_S = 30.0      # ... doubling up to this while they keep failing
+RETRY_MAX_S = 8.0       # ... doubling up to this while they keep failing
+REFUSED_RETRY_S = 60.0  # a snapshot refused (forbidden, too large, no publisher) is asked again
 MAX_NAMESPACES = 64     # namespaces one view follows; lookups in others ask the master
 RCVHWM = 100000         # updates queued for the view thread before ZeroMQ drops (then: a gap)
 
@@ -78,6 +80,7 @@ class ResidencyView:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._sub: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None  # the SUB's connection events
         self._port = 0
 
     # -------------------------------------------------------------- callers
@@ -172,8 +175,7 @@ class ResidencyView:
                 sp.synced = False
         finally:
             ch.close()
-            if self._sub is not None:
-                self._sub.close(0)
+            self._close_sub()
 
     def _check(self, sp: Space, now: float, ch: Channel) -> None:
         if not sp.need and now - sp.heard > self.stale_s:
@@ -200,7 +202,7 @@ class ResidencyView:
             sp.failures += 1
             permanent = isinstance(exc, RemoteError) and exc.code in ("forbidden", "too_large",
                                                                       "unavailable", "unknown_type")
-            wait = RETRY_MAX_S if permanent else min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
+            wait = REFUSED_RETRY_S if permanent else min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
             sp.retry_at = time.monotonic() + wait
             if sp.failures == 1 or permanent:
                 log.info("residency view of %s: no snapshot (%s); lookups ask the master",
@@ -219,22 +221,37 @@ class ResidencyView:
         reconnects it by itself and subscribes it again."""
         if self._sub is not None and port == self._port:
             return
-        if self._sub is not None:
-            self._sub.close(0)
+        self._close_sub()
         host = host_of(self.master)
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
         for sp in self.spaces.values():
             if sp.keys is not None:
                 sub.setsockopt(zmq.SUBSCRIBE, R.topic(sp.ns))
         self._sub, self._port = sub, port
 
+    def _close_sub(self) -> None:
+        if self._sub is not None:
+            self._sub.disable_monitor()
+            self._sub.close(0)
+            self._monitor.close(0)
+            self._sub = self._monitor = None
+
     def _drain(self) -> None:
         if self._sub is None:
             self._stop.wait(0.05)
             return
-        if not self._sub.poll(50):
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        events = dict(poller.poll(50))
+        if self._monitor in events:
+            self._monitor.recv_multipart()      # (only DISCONNECTED is watched)
+            for sp in self.spaces.values():     # ZeroMQ reconnects; the numbers tell the rest
+                self._resync(sp, "publisher connection lost")
+        if self._sub not in events:
             return
         for _ in range(1000):
             try:

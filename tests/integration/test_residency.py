@@ -204,3 +204,21 @@ def test_a_master_that_publishes_nothing_still_answers(tmp_path):
             assert r.view.counters["view_answers"] == 0
     finally:
         c.stop()
+
+
+def test_a_master_that_exits_is_noticed_at_once_not_after_three_beats(tmp_path):
+    """Beats every 5 s: silence would take 15 s to notice; the dropped connection takes less."""
+    c = Cluster(tmp_path)
+    c.env["HICACHE_MC_MASTER_PUBLISH_BEAT_S"] = "5"
+    c.start_master()
+    c.add_node("64MiB")
+    c.wait_nodes(1)
+    try:
+        with StoreClient(c.master, view="on", timeout_s=1.0) as r:
+            assert r.put(key("x1"), b"x")
+            follow(r)
+            c.master_proc.kill()
+            wait(lambda: not synced(r), timeout_s=2.0, what="view out of sync")
+            assert r.batch_exists([key("x1")]) == 0         # asked the master: it is gone
+    finally:
+        c.stop()
