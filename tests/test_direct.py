@@ -143,7 +143,7 @@ def test_pages_cross_between_direct_and_sglang_backend(store, client, kind, layo
 
     saved = pools.page_hashes(2, PS)                            # direct -> SGLang host pool
     assert direct.save(saved, [2, 0]) == [True, True]
-    assert backend.batch_exists(saved) == 2
+    pools.wait_exists(backend, saved, 2)                        # another client's put
     assert backend.batch_get_v1(saved, host_slots) == [True, True]
     want = pack_pages_ref(dev, [2, 0], PS, layout)
     for j, got in enumerate(pools.page_bytes(host, host_slots)):

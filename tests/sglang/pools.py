@@ -177,3 +177,25 @@ def v4_paged_host(name: str, layout: str = "page_first", page_size: int = 64, la
         name, [torch.zeros((pages, item_bytes), dtype=torch.uint8) for _ in range(layers)],
         item_bytes=item_bytes, num_host_pages=pages, slot_page_size=page_size, layout=layout,
         pin_memory=False)
+
+
+def wait_exists(backend, keys: list[str], n: int, timeout_s: float = 5.0) -> None:
+    """Wait until ``batch_exists(keys) == n``: another client's put reaches the backend's
+    residency view a moment after that put returned (the writer's own lookups see it at once)."""
+    import time
+    end = time.monotonic() + timeout_s
+    while backend.batch_exists(keys) != n:
+        assert time.monotonic() < end, f"batch_exists(keys) never reached {n}"
+        time.sleep(0.005)
+
+
+def wait_view_out_of_sync(backend, timeout_s: float = 5.0) -> None:
+    """Wait until the backend's residency view stops answering, after the store went away (it
+    notices the dropped connection at once, a silent master after 3 beats): until then its
+    probes may say "stored", and the gets that follow miss."""
+    import time
+    view = backend.client.view
+    end = time.monotonic() + timeout_s
+    while view is not None and any(sp.synced for sp in view.spaces.values()):
+        assert time.monotonic() < end, "the residency view did not notice the store went away"
+        time.sleep(0.01)

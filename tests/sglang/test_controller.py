@@ -9,6 +9,7 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from controllers import ControllerRig, clear_layout, single_rank_layout
+from pools import wait_view_out_of_sync
 
 MHA_LAYOUTS = ["page_first", "page_first_direct", "page_head", "layer_first"]
 _salt = iter(range(10_000, 1_000_000, 7919))
@@ -126,6 +127,7 @@ def test_store_stopped_then_back_under_the_controller(store, caplog):
         toks = tokens(3, ps)
         assert rig.backup(toks, seed=6) == 3 * ps
         store.stop()
+        wait_view_out_of_sync(rig.backend)
         t0 = time.monotonic()
         assert rig.prefetch(toks)["hit"] == 0                 # a miss, not an error
         assert rig.backup(tokens(2, ps), seed=7) == 0         # acked, nothing completed
