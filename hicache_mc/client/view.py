@@ -10,7 +10,7 @@ asks the master as it would without one. The view follows the master's publisher
 - in sync only once a beat or update confirms the numbers follow on (the subscription may have
   taken effect after the snapshot); out of sync, and a new snapshot, on a gap, another epoch
   (a restarted master), a dropped connection to the publisher (a master that exited: noticed
-  at once) or 3 beats of silence (a partition, a stalled publisher or view thread).
+  at once) or 3 beats (at least 1 s) of silence (a partition, a stalled publisher or view thread).
 
 Consistency. The view says "stored" for a key the master had on a live node when it sent the
 update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
@@ -41,7 +41,8 @@ from .digests import DigestSet, prefixes
 
 log = logging.getLogger(__name__)
 
-STALE_BEATS = 3         # a namespace silent for this many beats is out of sync
+STALE_BEATS = 3         # a namespace silent for this many beats is out of sync ...
+STALE_MIN_S = 1.0       # ... and for at least this long (short beats on a loaded host)
 RETRY_S = 0.5           # a failed snapshot is retried after this ...
 RETRY_MAX_S = 8.0       # ... doubling up to this while they keep failing
 REFUSED_RETRY_S = 60.0  # a snapshot refused (forbidden, too large, no publisher) is asked again
@@ -178,7 +179,8 @@ class ResidencyView:
             self._close_sub()
 
     def _check(self, sp: Space, now: float, ch: Channel) -> None:
-        if not sp.need and now - sp.heard > self.stale_s:
+        # after a snapshot the first beat also waits for the subscription to take effect
+        if not sp.need and now - sp.heard > self.stale_s * (1 if sp.synced else 2):
             # no beat: a partition, a stalled publisher or this thread (or a subscription that
             # never took effect); snapshots back off while that goes on
             self.counters["view_stale"] += 1
@@ -209,7 +211,7 @@ class ResidencyView:
                          sp.ns[:40], exc)
             return
         self.counters["view_snapshots"] += 1
-        self.stale_s = STALE_BEATS * reply.beat_s
+        self.stale_s = max(STALE_MIN_S, STALE_BEATS * reply.beat_s)
         self._connect(reply.port)
         sp.keys = DigestSet(reply.digests)
         sp.epoch, sp.seq, sp.nodes = reply.epoch, reply.seq, dict(reply.nodes)
