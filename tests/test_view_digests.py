@@ -44,3 +44,12 @@ def test_a_key_removed_then_stored_again_is_present():
     assert view.contains(prefixes(d)) == [False]
     view.apply(d, b"")
     assert view.contains(prefixes(d)) == [True] and view.leading(prefixes(d)) == 1
+
+
+def test_keys_are_cut_into_runs_of_one_namespace():
+    from hicache_mc.client.view import MAX_NAMESPACES, _runs
+    a, b = [f"a@t/{i}" for i in range(3)], [f"ab@t/{i}" for i in range(2)]
+    assert _runs(a) == [a]
+    assert _runs(a + b + a[:1]) == [a, b, a[:1]]
+    many = [f"n{i}/k" for i in range(MAX_NAMESPACES + 1)]
+    assert _runs(many) == [[]]

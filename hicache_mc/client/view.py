@@ -129,13 +129,18 @@ class ResidencyView:
         return sp
 
     def contains(self, keys: list[str], after: dict) -> Optional[list[bool]]:
-        """Per key: stored? Or None (ask the master)."""
-        sp = self._space(keys, after)
-        if sp is None:
-            self.counters["view_fallbacks"] += 1
-            return None
+        """Per key: stored? Or None (ask the master). ``keys`` may run through several
+        namespaces (a hybrid model's KV pages, then each side pool's): each run is answered by
+        its own namespace's view, and all must be in sync."""
+        found: list[bool] = []
+        for run in _runs(keys):
+            sp = self._space(run, after) if run else None
+            if sp is None:
+                self.counters["view_fallbacks"] += 1
+                return None
+            found += sp.keys.contains(prefixes(R.digests(run)))
         self.counters["view_answers"] += 1
-        return sp.keys.contains(prefixes(R.digests(keys)))
+        return found
 
     def exists(self, keys: list[str], after: dict) -> Optional[int]:
         """The leading run of ``keys`` stored, or None (ask the master)."""
@@ -287,3 +292,20 @@ class ResidencyView:
         sp.heard = time.monotonic()
         sp.synced = True
         sp.failures = 0
+
+
+def _runs(keys: list[str]) -> list[list[str]]:
+    """``keys`` cut into runs of one namespace each, in order; one run (the common case) is
+    found with two C-level passes. More than MAX_NAMESPACES runs: one empty run (ask the master)."""
+    ns = keys[0][:keys[0].find("/") + 1]
+    if ns and min(keys).startswith(ns) and max(keys).startswith(ns):
+        return [keys]
+    runs, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or not keys[i].startswith(ns):
+            runs.append(keys[start:i])
+            if len(runs) > MAX_NAMESPACES:
+                return [[]]
+            if i < len(keys):
+                start, ns = i, keys[i][:keys[i].find("/") + 1]
+    return runs

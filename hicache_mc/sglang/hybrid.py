@@ -60,6 +60,7 @@ class HybridPools:
             self.episodes.failed(f"register {host_pool_name}", exc)
             return
         self.side_pools[str(host_pool_name)] = side
+        self.client.follow(side.namespace)  # batch_exists_v2 answered by the residency view
         for t in side.tensors():
             self._register(t.data_ptr(), t.numel() * t.element_size())
         g = side.geo

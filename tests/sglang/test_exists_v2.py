@@ -165,3 +165,25 @@ def test_logical_anchor_lets_the_side_pools_decide(shared_store):
     # KV counts every page (it has no bytes); SWA's points 1-4, draft's 1-5: restorable 1-4.
     assert got == result(4, {PoolName.KV: 6, PoolName.SWA: 4, PoolName.DRAFT: 5}, [1, 2, 3, 4])
     b.close()
+
+
+def test_every_pool_is_answered_by_the_residency_view(rig):
+    """The KV pages and each side pool live in namespaces of their own; once the view follows
+    them all (registration starts it), batch_exists_v2 asks the master nothing, and answers
+    as the master would."""
+    import time
+    rig.store(PoolName.KV, [1, 2, 3, 4, 5, 6])
+    rig.store(PoolName.MAMBA, [2, 4, 6])
+    rig.store(PoolName.SWA, [1, 2, 5, 6])
+    want = result(6, {PoolName.KV: 6, PoolName.MAMBA: 6, PoolName.SWA: 6}, [2, 6])
+    view = rig.backend.client.view
+    end = time.monotonic() + 10
+    while True:
+        answers = view.counters["view_answers"]
+        got = rig.query(PoolName.MAMBA, PoolName.SWA)
+        if view.counters["view_answers"] == answers + 1:
+            break
+        assert got == want                  # (the master answered meanwhile)
+        assert time.monotonic() < end, "the view never answered a query over three namespaces"
+        time.sleep(0.02)
+    assert got == want
