@@ -22,7 +22,7 @@ again, after a master restart, reports its whole inventory, which arrives as sto
 On a gap in either topic, a new master epoch or 3 silent beats it publishes
 ``AllBlocksCleared`` and starts over. It holds ~200 B per key it follows. The PUB and replay
 endpoints speak SGLang's format, which has no authentication: bind them where only routers
-reach them (the bridge's own connection to the master is CURVE with ``--token``).
+reach them (the bridge's own connection to the master is CURVE with ``--token-file``).
 """
 from __future__ import annotations
 
@@ -217,22 +217,32 @@ class L3EventBridge:
         self.publisher.shutdown()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="hicache-mc L3 residency as SGLang KV events")
-    ap.add_argument("--master", required=True)
+def parse(argv=None):
+    """(args, ClientConfig): the master and token as every hicache-mc command reads them
+    (file < HICACHE_MC_* < flags; the secret from ``--token-file``, never an argument)."""
+    from ..admin import token_arg
+    from ..config import ClientConfig, load_config
+    ap = argparse.ArgumentParser(description="hicache-mc L3 residency as SGLang KV events",
+                                 allow_abbrev=False)
+    ap.add_argument("--master", help="tcp://HOST:PORT (default: HICACHE_MC_MASTER, else the "
+                    "config file, else tcp://127.0.0.1:7370)")
+    ap.add_argument("--config", help="TOML or JSON config file (its [client] section)")
+    ap.add_argument("--token-file", metavar="FILE",
+                    help="a client credential or the cluster token (else HICACHE_MC_TOKEN)")
     ap.add_argument("--namespace", required=True, help="the deployment's key namespace (the backend logs it)")
     ap.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint for routers")
     ap.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558", help="replay ROUTER endpoint")
     ap.add_argument("--block-size", type=int, default=0, help="tokens per page (the deployment's page size)")
-    ap.add_argument("--token", default="", help="credential or cluster token; @FILE reads it")
     args = ap.parse_args(argv)
+    return args, load_config(ClientConfig, file=args.config, section="client", master=args.master,
+                             token=token_arg(args))
+
+
+def main(argv=None) -> int:
+    args, config = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = args.token
-    if token.startswith("@"):
-        with open(token[1:]) as f:
-            token = f.read().strip()
-    bridge = L3EventBridge(args.master, args.namespace, args.endpoint, args.replay_endpoint,
-                           args.block_size, token)
+    bridge = L3EventBridge(config.master, args.namespace, args.endpoint, args.replay_endpoint,
+                           args.block_size, config.token)
     try:
         bridge.run()
     except KeyboardInterrupt:

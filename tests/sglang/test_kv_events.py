@@ -118,3 +118,14 @@ def test_a_node_that_expires_takes_its_blocks_with_it(bridged):
     cluster.nodes[0].kill()
     got = receive(sub, lambda ev: any(isinstance(e, BlockRemoved) for e in ev))
     assert [e.block_hashes for _, e in got if isinstance(e, BlockRemoved)] == [[hash_str_to_int64(page(7))]]
+
+
+def test_the_bridge_reads_its_master_and_secret_as_every_command_does(tmp_path, monkeypatch):
+    from hicache_mc.sglang.kv_events import parse
+    cred = tmp_path / "teamA.cred"
+    cred.write_text("hmc1:client:teamA:" + "ab" * 32 + ":" + "cd" * 32 + "\n")
+    monkeypatch.setenv("HICACHE_MC_MASTER", "127.0.0.1:7399")
+    _, config = parse(["--namespace", "ns@teamA", "--token-file", str(cred)])
+    assert config.master == "tcp://127.0.0.1:7399" and config.token == cred.read_text().strip()
+    with pytest.raises(SystemExit):     # a secret is never an argument (argv is public)
+        parse(["--namespace", "ns@teamA", "--token", "secret"])
