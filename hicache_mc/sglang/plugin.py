@@ -4,7 +4,7 @@
 SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group before it parses its
 arguments, in the launching process and again in each scheduler process (``load_plugins``, then
 ``HookRegistry.apply_hooks``). hicache-mc declares ``load`` there (pyproject.toml). It registers
-both backends with SGLang's factories and three hooks, each a pass-through for other names:
+both backends with SGLang's factories and four hooks, each a pass-through for other backends:
 
 - ``ServerArgs.add_cli_args``: ``hicache_mc`` joins the choices of both flags (closed lists).
 - ``StorageBackendFactory._create_builtin_backend``: builds ``HiCacheMC(storage_config, {})``;
@@ -12,6 +12,11 @@ both backends with SGLang's factories and three hooks, each a pass-through for o
 - ``HiCacheController.attach_storage_backend``: selects the zero-copy page path
   (``batch_get_v1`` / ``batch_set_v1``), which SGLang selects by name, or for ``dynamic`` by
   ``interface_v1``; ``"interface_v1": 0`` in the extra config keeps the generic path.
+- ``HybridCacheController.should_backup``: in an MLA model SGLang backs side pools up on the
+  writer rank only (but Mamba state, and for ``mooncake`` MHA drafts). HiCacheMC keys a pool
+  per rank where each rank holds its own bytes (``SidePool.shared_by_tp`` False: Mamba state,
+  MHA pools such as an EAGLE draft over an MLA target), so every rank backs those up; else the
+  other ranks would miss that pool and SGLang, taking the minimum over ranks, every hit.
 
 Settings: the KV backend reads ``--hicache-storage-backend-extra-config`` (JSON or ``@file``,
 parsed by SGLang) over ``HICACHE_MC_*``; the embedding store, which SGLang creates without
@@ -25,7 +30,9 @@ EMBEDDING_STORE = ("hicache_mc.sglang.embedding_store", "HiCacheMCEmbeddingStore
 CLI_FIELDS = ("hicache_storage_backend", "mm_global_cache_backend")
 HOOKS = ("sglang.srt.server_args.ServerArgs.add_cli_args",
          "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend",
-         "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend")
+         "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend",
+         "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+         ".should_backup")
 _hooks_registered = False
 
 
@@ -47,8 +54,9 @@ def load() -> None:
     if _hooks_registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy),
-                                  (HookType.AFTER, HookType.AROUND, HookType.AFTER)):
+    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy, _backup_per_rank),
+                                  (HookType.AFTER, HookType.AROUND, HookType.AFTER,
+                                   HookType.AROUND)):
         HookRegistry.register(target, hook, kind)
     _hooks_registered = True
 
@@ -72,3 +80,13 @@ def _zero_copy(_result, controller, *args, **kwargs) -> None:
     if controller.storage_backend_type == NAME and bool(extra.get("interface_v1", 1)):
         controller.page_get_func = controller._page_get_zero_copy
         controller.page_set_func = controller._page_set_zero_copy
+
+
+def _backup_per_rank(original, controller, transfer) -> bool:
+    if original(controller, transfer):
+        return True
+    side = getattr(getattr(controller, "storage_backend", None), "side_pools", {}).get(
+        str(transfer.name))
+    from .hybrid import HybridPools
+    return isinstance(controller.storage_backend, HybridPools) and side is not None \
+        and not side.shared_by_tp

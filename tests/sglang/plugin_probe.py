@@ -1,4 +1,4 @@
-"""Run by tests/sglang/test_plugin.py with the Python of a virtual environment that has
+"""Run by tests/sglang/test_install.py with the Python of a virtual environment that has
 hicache-mc installed; prints what SGLang's own code made of it, as JSON. Argument: a master."""
 from __future__ import annotations
 

@@ -263,6 +263,29 @@ def test_mha_draft_over_an_mla_target_is_per_rank(shared_store):
         b.close()
 
 
+def test_sglang_backs_up_per_rank_pools_on_every_rank(shared_store, parallel_layout):
+    """SGLang's HybridCacheController backs side pools of an MLA model up on the writer rank
+    only; the plugin's should_backup hook makes every rank back up the pools HiCacheMC keys per
+    rank (an MHA draft), else ranks > 0 never hit that pool and SGLang's min over ranks is 0."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    from hicache_mc.sglang.plugin import _backup_per_rank
+    anchor, indexer = dsa_pools()
+    pools = {PoolName.DRAFT: mha_host("page_first", layers=1), PoolName.INDEXER: indexer}
+    backend = make_hybrid_backend(shared_store.master, anchor, pools, mla=True, tp_rank=1,
+                                  tp_size=2)
+    rank1 = SimpleNamespace(storage_backend=backend, backup_skip=True,
+                            storage_backend_type="hicache_mc")
+    original = HybridCacheController.should_backup
+    draft, shared = PoolTransfer(PoolName.DRAFT, keys=["a"]), PoolTransfer(PoolName.INDEXER, keys=["a"])
+    assert not original(rank1, draft)                       # SGLang alone: the writer only
+    assert _backup_per_rank(original, rank1, draft)         # per-rank keys: every rank
+    assert not _backup_per_rank(original, rank1, shared)    # one shared copy: the writer's
+    backend.close()
+
+
 # ------------------------------------------------------------------ robustness
 
 def test_bad_v2_calls_answer_misses_instead_of_raising(shared_store):
