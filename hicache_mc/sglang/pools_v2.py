@@ -87,6 +87,9 @@ def side_namespace(identity: dict, name: str, geo: SideGeometry, pool, tenant: s
     shape = {"type": geo.pool_type, "layout": geo.layout, "page_size": geo.page_size,
              "part_bytes": list(geo.part_bytes), "zero_copy": geo.zero_copy,
              "dtype": str(getattr(pool, "dtype", "")),
+             # every buffer's dtype: a Mamba pool's ``dtype`` is its conv state's, and an SSM
+             # state of another 2-byte dtype would otherwise share the namespace
+             "dtypes": sorted({str(t.dtype) for t in _buffers(pool)}),
              "layers": _opt_int(pool, "layer_num"), "start_layer": _opt_int(pool, "start_layer")}
     blob = json.dumps(["pool", name, identity, shape], sort_keys=True).encode()
     return with_tenant(hashlib.sha256(blob).hexdigest()[:NAMESPACE_CHARS], tenant)
@@ -140,15 +143,20 @@ class SidePool:
 
     def tensors(self) -> list[torch.Tensor]:
         """Host tensors a transport registers (Mooncake TE): the pool's own list, else kv_buffer."""
-        get = getattr(self.pool, "get_hybrid_pool_buffer", None)
-        try:
-            found = list(get()) if get is not None else []
-        except Exception:
-            found = []
-        if not found:
-            kv = getattr(self.pool, "kv_buffer", None)
-            found = list(kv) if isinstance(kv, (list, tuple)) else [kv]
-        return [t for t in found if isinstance(t, torch.Tensor) and t.numel() > 0]
+        return _buffers(self.pool)
+
+
+def _buffers(pool) -> list[torch.Tensor]:
+    """A pool's host tensors: its own list (``get_hybrid_pool_buffer``), else ``kv_buffer``."""
+    get = getattr(pool, "get_hybrid_pool_buffer", None)
+    try:
+        found = list(get()) if get is not None else []
+    except Exception:
+        found = []
+    if not found:
+        kv = getattr(pool, "kv_buffer", None)
+        found = list(kv) if isinstance(kv, (list, tuple)) else [kv]
+    return [t for t in found if isinstance(t, torch.Tensor) and t.numel() > 0]
 
 
 def _opt_int(obj, attr: str) -> Optional[int]:

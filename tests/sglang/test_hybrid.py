@@ -209,6 +209,14 @@ def test_pools_never_share_keys_and_another_shape_is_a_miss(shared_store):
     assert restorable(layers=3) == []                                 # other layer count
     assert restorable(temporal_dtype=torch.bfloat16) == []            # other SSM dtype
 
+    def namespace(temporal_dtype):
+        b = make_hybrid_backend(shared_store.master, mha_host("page_first"),
+                                {PoolName.MAMBA: mamba_host(temporal_dtype=temporal_dtype)})
+        b.close()
+        return b.side_pools["mamba"].namespace
+    # an SSM state of another dtype of the same size: same bytes per page, other meaning
+    assert namespace(torch.bfloat16) != namespace(torch.float16)
+
 
 def test_mla_side_pools_are_written_once_mamba_per_rank(shared_store):
     keys = page_hashes(2, 16)
