@@ -194,6 +194,9 @@ class HybridPools:
         for t in transfers:
             side = self.side_pools.get(str(t.name))
             pages = list(t.keys or []) if _policy(t) == BLOCK_GROUPS else keys
+            if str(t.name) == PoolName.KV.value and kv_parts:   # the KV objects asked above
+                spans.append(_Span(t, n, 0, n, kv_parts))
+                continue
             if side is None:
                 self.episodes.failed("batch_exists_v2", f"pool {t.name} is not registered")
                 spans.append(_Span(t, len(pages), 0, 0, 1))

@@ -187,3 +187,10 @@ def test_every_pool_is_answered_by_the_residency_view(rig):
         assert time.monotonic() < end, "the view never answered a query over three namespaces"
         time.sleep(0.02)
     assert got == want
+
+
+def test_a_kv_transfer_among_the_pools_is_answered_from_the_kv_pages(rig):
+    rig.store(PoolName.KV, [1, 2, 3, 5, 6])
+    got = rig.backend.batch_exists_v2(rig.keys, [PoolTransfer(PoolName.KV, keys=rig.keys,
+                                                              hit_policy=ALL)])
+    assert got == result(3, {PoolName.KV: 3}, [1, 2, 3])
