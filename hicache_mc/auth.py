@@ -190,6 +190,8 @@ class Guard:
         self.token = token
         self._auth: Optional[ThreadAuthenticator] = None
         self._known: OrderedDict[bytes, tuple[Optional[str], Principal]] = OrderedDict()
+        # CURVE key (Z85) -> the principal a connection proved with it on this server's ROUTER
+        self._keys: OrderedDict[str, Principal] = OrderedDict()
         if token:
             # ZAP only makes ZeroMQ tell us each peer's key (User-Id): a peer that completed
             # the handshake knows the servers' public key, and principal() checks its claim
@@ -222,9 +224,20 @@ class Guard:
         if not hmac.compare_digest(expected, user.encode()):
             return None
         self._known[ident] = (user, p)
+        self._keys[user] = p
+        self._keys.move_to_end(user)
         if len(self._known) > KNOWN_MAX:
             self._known.popitem(last=False)
+        if len(self._keys) > KNOWN_MAX:
+            self._keys.popitem(last=False)
         return p
+
+    def verified(self, user: Optional[str]) -> Optional[Principal]:
+        """The principal that the CURVE key ``user`` proved in a request on this server's ROUTER
+        (a lookup: nothing is derived for a key never seen there), or None."""
+        if not self.token:
+            return TRUSTED
+        return self._keys.get(user) if user else None
 
     def stream_key(self, claim: bytes) -> Optional[tuple[Principal, bytes]]:
         """The principal a stream-port peer claims and the key its answer must be made with."""

@@ -14,21 +14,22 @@ queued messages ZeroMQ drops a slow subscriber's messages, which it notices as a
 
 Authorization per topic: the socket is an XPUB with ``XPUB_MANUAL``, so a subscription takes
 effect only when the publisher passes it on. With a token it does so when the subscriber's
-CURVE key (the message's ``User-Id``) is the admin's or the client key of the namespace's
-tenant; other subscriptions are dropped (counted). Without a token every peer is trusted.
+CURVE key (the message's ``User-Id``) is one a connection proved on the master's ROUTER
+(``Guard.verified``: a subscriber asks for its snapshot there first) as an admin or a client of
+the namespace's tenant; other subscriptions are dropped (counted), for the price of a dict
+lookup, so a flood of them costs no key derivation. Without a token every peer is trusted.
 """
 from __future__ import annotations
 
-import functools
-import hmac
 import logging
+import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
 import zmq
 
-from .. import residency as R
-from ..auth import Credential, Guard, _seed
+from .. import protocol as P, residency as R
+from ..auth import Guard, Principal
 from ..keys import tenant_of
 
 log = logging.getLogger(__name__)
@@ -36,27 +37,23 @@ log = logging.getLogger(__name__)
 SNDHWM = 10000           # messages queued per subscriber before ZeroMQ drops its messages
 MAX_TOPICS = 4096        # namespaces beaten (the most recently subscribed)
 MAX_SNAPSHOT_KEYS = 1 << 20
+# subscription messages read per loop turn: each costs a dict lookup (~2 us), so a flood costs
+# the loop ~20 ms a turn at most and is read as fast as it comes
+MAX_SUBSCRIPTIONS_PER_TURN = 10000
+KEY_CHUNK_BYTES = 8 << 20    # key text per KeyUpdate: well under a subscriber's MAXMSGSIZE
 # what a subscriber may send in one message (MAXMSGSIZE): a subscription is < residency.MAX_TOPIC
 # bytes, but the CURVE handshake's messages (~300 bytes with their metadata) pass the same limit
 MAX_INBOUND = 4096   # 16 MiB of digests: a reply must fit limits.MAX_HEADER_BYTES
 
 
-@functools.lru_cache(maxsize=1024)
-def _public(token: str, role: str, tenant: str) -> bytes:
-    """The Z85 CURVE public key of a role's (and tenant's) credential (~0.1 ms: cached)."""
-    return Credential(role, tenant, _seed(token, role, tenant), b"").keys().public
-
-
-def may_follow(token: str, user: str, namespace: str) -> bool:
-    """Whether the peer with CURVE key ``user`` may follow ``namespace``: the admin, or a client
-    of the namespace's tenant."""
-    if not token:
-        return True
-    if not user:
+def may_follow(principal: Optional[Principal], namespace: str) -> bool:
+    """Whether ``principal`` may follow ``namespace``: an admin (or anyone, without a token),
+    or a client of the namespace's tenant."""
+    if principal is None:
         return False
-    got = user.encode()
-    return hmac.compare_digest(got, _public(token, "admin", "")) or \
-        hmac.compare_digest(got, _public(token, "client", tenant_of(namespace + "/")))
+    if principal.role == "admin":
+        return True
+    return principal.role == "client" and principal.tenant == tenant_of(namespace + "/")
 
 
 def _user(frame: zmq.Frame) -> str:
@@ -84,7 +81,8 @@ class Publisher:
         except zmq.ZMQError:
             self.sock.close(0)
             raise
-        self.token = guard.token
+        self.guard = guard
+        self._quiet = 0.0       # no refusal logged before this (monotonic): a flood stays readable
         self.epoch = epoch
         self.beat_s = beat_s
         self.seq: dict[str, int] = {}           # namespace -> its last update number
@@ -99,7 +97,7 @@ class Publisher:
 
     def on_readable(self) -> None:
         """Subscriptions: pass on those the subscriber may have (see the module docstring)."""
-        for _ in range(256):
+        for _ in range(MAX_SUBSCRIPTIONS_PER_TURN):
             try:
                 frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -115,10 +113,14 @@ class Publisher:
             if data[0] == 0:        # (the subscriber's own pipe: it only ever had its own)
                 self.sock.setsockopt(zmq.UNSUBSCRIBE, data[1:])
                 continue
-            if not may_follow(self.token, _user(frame) if self.token else "", ns):
+            if not may_follow(self.guard.verified(_user(frame) if self.guard.token else ""), ns):
                 self.counters["residency_refused"] += 1
-                log.warning("refused a residency subscription to namespace %r (not the "
-                            "subscriber's tenant)", ns[:80])
+                now = time.monotonic()
+                if now >= self._quiet:
+                    self._quiet = now + 10.0
+                    log.warning("refused a residency subscription to namespace %r (not the "
+                                "subscriber's tenant, or no request of its key on the master's "
+                                "port yet); refusals counted in residency_refused", ns[:80])
                 continue
             # applies to the pipe of the message just received (XPUB_MANUAL)
             self.sock.setsockopt(zmq.SUBSCRIBE, data[1:])
@@ -131,6 +133,19 @@ class Publisher:
             if keys:
                 self.key_spaces.clear()
                 self.key_spaces.update(self.key_topics)
+
+    def snapshot(self, ns: str, index, marks: dict) -> P.Message:
+        """A view's start: the namespace's digests and last update number, with the nodes'
+        applied reports (``marks``), all as of now. Refused for a namespace no subscription
+        could name (the view would ask again and again) and past MAX_SNAPSHOT_KEYS."""
+        if R.namespace_of_topic(R.topic(ns)) is None:
+            return P.ErrorReply("bad_request", "Snapshot: not a namespace a subscription can "
+                                "name (ASCII, no '/' or '#', at most "
+                                f"{R.MAX_TOPIC - 1} characters)")
+        if index.namespace_size(ns) > MAX_SNAPSHOT_KEYS:
+            return P.ErrorReply("too_large", f"namespace holds over {MAX_SNAPSHOT_KEYS} keys")
+        return P.SnapshotReply(self.epoch, self.seq.get(ns, 0), index.digests(ns), marks,
+                               self.port, self.beat_s)
 
     def _send(self, ns: str, update) -> None:
         topic = R.key_topic(ns) if isinstance(update, R.KeyUpdate) else R.topic(ns)
@@ -145,9 +160,7 @@ class Publisher:
         the nodes whose reports moved (``moved``), the keys of the followed namespaces
         (``key_journal``: namespace -> {key: present}; emptied), and the beats that are due."""
         for ns, changes in (key_journal or {}).items():
-            items = list(changes.items())
-            for i in range(0, len(items), R.CHUNK):
-                part = items[i:i + R.CHUNK]
+            for part in _key_chunks(list(changes.items())):
                 seq = self.key_seq[ns] = self.key_seq.get(ns, 0) + 1
                 self._send(ns, R.KeyUpdate(self.epoch, seq, [k for k, p in part if p],
                                            [k for k, p in part if not p]))
@@ -158,9 +171,13 @@ class Publisher:
             for i in range(0, len(items), R.CHUNK):
                 part = items[i:i + R.CHUNK]
                 seq = self.seq[ns] = self.seq.get(ns, 0) + 1
+                # the report marks go with the last chunk only: a view that has applied an
+                # earlier one has not yet seen every key of the reports they name
+                last = i + R.CHUNK >= len(items)
                 self._send(ns, R.Update(self.epoch, seq,
                                         b"".join(d for d, present in part if present),
-                                        b"".join(d for d, present in part if not present), moved))
+                                        b"".join(d for d, present in part if not present),
+                                        moved if last else {}))
                 self.counters["residency_updates"] += 1
         journal.clear()
         if now >= self._next_beat and self.topics:
@@ -171,3 +188,18 @@ class Publisher:
                 self.counters["residency_beats"] += 1
             for ns in self.key_topics:
                 self._send(ns, R.KeyUpdate(self.epoch, self.key_seq.get(ns, 0), [], [], True))
+
+
+def _key_chunks(items: list) -> list:
+    """``(key, present)`` items cut into runs of at most ``residency.CHUNK`` keys and
+    ``KEY_CHUNK_BYTES`` of key text (keys of up to MAX_KEY_BYTES would make a run of CHUNK
+    keys larger than a subscriber accepts)."""
+    out, start, size = [], 0, 0
+    for i, (key, _) in enumerate(items):
+        if i > start and (i - start >= R.CHUNK or size + len(key) > KEY_CHUNK_BYTES):
+            out.append(items[start:i])
+            start, size = i, 0
+        size += len(key)
+    if start < len(items):
+        out.append(items[start:])
+    return out

@@ -17,7 +17,7 @@ from ..config import MasterConfig
 from ..metrics import histogram_family
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
-from .publisher import MAX_SNAPSHOT_KEYS, Publisher
+from .publisher import Publisher
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class MasterService(Service):
         self._next_expiry = now + self.config.heartbeat_interval_s / 2
         for st in self.registry.expire(now):
             dropped = self.index.drop_slot(st.slot)
+            self._moved[st.info.node_id] = ("", 0)     # a mark no fence matches: views ask
             self.counters["nodes_expired"] += 1
             log.warning("node %s missed its heartbeats; dropped it and its %d keys",
                         st.info.node_id, dropped)
@@ -221,13 +222,7 @@ class MasterService(Service):
         self.check_tenant([msg.namespace + "/"])
         if self.publisher is None:
             return P.ErrorReply("unavailable", "this master publishes no residency (publish_port -1)")
-        if "/" in msg.namespace:
-            return P.ErrorReply("bad_request", "Snapshot: a namespace holds no '/'")
-        if self.index.namespace_size(msg.namespace) > MAX_SNAPSHOT_KEYS:
-            return P.ErrorReply("too_large", f"namespace holds over {MAX_SNAPSHOT_KEYS} keys")
-        pub = self.publisher
-        return P.SnapshotReply(self.epoch, pub.seq.get(msg.namespace, 0), self.index.digests(msg.namespace),
-                               self._node_marks(), pub.port, pub.beat_s)
+        return self.publisher.snapshot(msg.namespace, self.index, self._node_marks())
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):

@@ -70,3 +70,30 @@ def test_a_tenant_client_keeps_a_view_of_its_namespace_over_curve(guarded):
         answers = r.view.counters["view_answers"]
         assert r.batch_exists([f"{NS_A}/v/k", f"{NS_A}/w/k"]) == 1
         assert r.view.counters["view_answers"] == answers + 1
+
+
+def test_a_key_never_proved_on_the_masters_port_follows_nothing(guarded):
+    """The publisher authorizes by a lookup of keys that proved a principal on the master's
+    ROUTER: a subscriber that never asked there derives nothing and gets nothing; once it has
+    (a view asks for its snapshot first), the same subscription is passed on."""
+    cluster, _ = guarded
+    ns_c = "0123456789abcdef@teamC"
+    c = issue(TOKEN, "client", "teamC")
+    port = request(cluster.master, P.SnapshotRequest(NS_A), 2.0, TOKEN).port    # as the admin
+    before = cluster.stats()["residency_refused"]
+    sub = _sub(port, c, [ns_c])
+    try:
+        assert _topics(sub, 1.5) == {}
+        assert cluster.stats()["residency_refused"] >= before + 2
+        assert isinstance(request(cluster.master, P.SnapshotRequest(ns_c), 2.0, c.text()),
+                          P.SnapshotReply)
+        sub.setsockopt(zmq.SUBSCRIBE, R.topic(ns_c))        # as a view does after its snapshot
+        assert R.topic(ns_c) in _topics(sub, 2.0)
+    finally:
+        sub.close(0)
+
+
+def test_a_snapshot_of_a_namespace_no_topic_can_name_is_refused(guarded):
+    cluster, _ = guarded
+    reply = request(cluster.master, P.SnapshotRequest("x" * 200 + "@teamA"), 2.0, TOKEN)
+    assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request"
