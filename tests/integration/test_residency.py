@@ -87,6 +87,25 @@ def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):
             view._apply = real
 
 
+def test_a_put_of_a_key_already_stored_fences_the_writers_lookups(cluster):
+    """A put whose keys another client stored writes nothing and gets no commit; the master's
+    Place names the holders' applied reports, so this writer's next lookup waits for a view
+    that has seen them (here: a held view thread) and the master answers it."""
+    with StoreClient(cluster.master) as w1, StoreClient(cluster.master, view="on") as w2:
+        follow(w2)
+        view = w2.view
+        real = view._apply
+        view._apply = lambda sp, u: None        # w2's view sees nothing from now on
+        try:
+            assert w1.put(key("dup"), b"x")
+            assert w2.put(key("dup"), b"x")     # deduplicated: True without a write
+            fallbacks = view.counters["view_fallbacks"]
+            assert w2.batch_exists([key("dup")]) == 1
+            assert view.counters["view_fallbacks"] == fallbacks + 1
+        finally:
+            view._apply = real
+
+
 def test_a_lost_update_is_a_gap_and_the_view_resyncs(cluster):
     with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
         follow(r)
