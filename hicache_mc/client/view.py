@@ -47,7 +47,10 @@ RETRY_S = 0.5           # a failed snapshot is retried after this ...
 RETRY_MAX_S = 8.0       # ... doubling up to this while they keep failing
 REFUSED_RETRY_S = 60.0  # a snapshot refused (forbidden, too large, no publisher) is asked again
 MAX_NAMESPACES = 64     # namespaces one view follows; lookups in others ask the master
-RCVHWM = 100000         # updates queued for the view thread before ZeroMQ drops (then: a gap)
+# updates queued for the view thread before ZeroMQ drops (then: a gap, and a snapshot); an
+# update holds up to 2 MiB of digests, so this bounds what a stalled view thread can hold
+RCVHWM = 1000
+GAP_RESET_S = 10.0      # a gap this long after the last one is a first gap again (no back-off)
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Space:
     nodes: dict = field(default_factory=dict)   # node id -> (segment, seq) applied
     retry_at: float = 0.0
     failures: int = 0
+    gaps: int = 0            # gaps in a row (each within GAP_RESET_S of the last)
+    gap_at: float = 0.0
 
 
 class ResidencyView:
@@ -88,7 +93,8 @@ class ResidencyView:
 
     def follow(self, ns: str) -> None:
         """Start following ``ns`` (in the background)."""
-        if ns in self.spaces or ns in self._wanted or len(self.spaces) >= MAX_NAMESPACES:
+        if ns in self.spaces or ns in self._wanted or \
+                len(self.spaces) + len(self._wanted) >= MAX_NAMESPACES:
             return
         with self._lock:
             if self._stop.is_set():
@@ -103,7 +109,7 @@ class ResidencyView:
         applied it): the views of the namespaces it touched answer only after a new snapshot.
         (The removals' updates may still be on their way; a clear carries no fence.)"""
         with self._lock:
-            self._refresh.update(ns for ns in self.spaces
+            self._refresh.update(ns for ns in list(self.spaces)
                                  if (ns + "/").startswith(prefix) or prefix.startswith(ns + "/"))
 
     def _space(self, keys: list[str], after: dict) -> Optional[Space]:
@@ -169,8 +175,8 @@ class ResidencyView:
                     for ns in self._refresh:
                         self._resync(self.spaces[ns], "cleared")
                     self._refresh.clear()
-                for ns in new:
-                    self.spaces[ns] = Space(ns)
+                    for ns in new:      # (refresh() reads the keys under the lock)
+                        self.spaces.setdefault(ns, Space(ns))
                 now = time.monotonic()
                 for sp in list(self.spaces.values()):
                     self._check(sp, now, ch)
@@ -207,8 +213,8 @@ class ResidencyView:
             reply = ch.call(P.SnapshotRequest(sp.ns), self.timeout_s)
         except (HicacheError, zmq.ZMQError) as exc:
             sp.failures += 1
-            permanent = isinstance(exc, RemoteError) and exc.code in ("forbidden", "too_large",
-                                                                      "unavailable", "unknown_type")
+            permanent = isinstance(exc, RemoteError) and exc.code in (
+                "forbidden", "too_large", "unavailable", "unknown_type", "bad_request")
             wait = REFUSED_RETRY_S if permanent else min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
             sp.retry_at = time.monotonic() + wait
             if sp.failures == 1 or permanent:
@@ -280,6 +286,13 @@ class ResidencyView:
             return self._resync(sp, "master epoch %s, not %s", u.epoch, sp.epoch)
         if u.seq > sp.seq + (0 if u.beat else 1):
             self.counters["view_gaps"] += 1
+            # gaps in a row (a subscriber too slow for the publisher) back off: each snapshot
+            # costs the master a loop turn, and the master answers meanwhile
+            now = time.monotonic()
+            sp.gaps = sp.gaps + 1 if now - sp.gap_at < GAP_RESET_S else 1
+            sp.gap_at = now
+            if sp.gaps > 1:
+                sp.retry_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** (sp.gaps - 2))
             return self._resync(sp, "update %d after %d", u.seq, sp.seq)
         if u.seq < sp.seq or (not u.beat and u.seq == sp.seq):
             return      # from before the snapshot
