@@ -122,8 +122,8 @@ class L3EventBridge:
 
     # -------------------------------------------------------------- the loop
 
-    def _follow(self, ch: Channel) -> Optional[zmq.Socket]:
-        """Snapshot (for the epoch, the update number and the port), then a SUB to both topics."""
+    def _snapshot(self, ch: Channel):
+        """The namespace's epoch, update number and the publisher's port (digests unused)."""
         try:
             snap = ch.call(P.SnapshotRequest(self.ns), self.timeout_s)
         except (HicacheError, zmq.ZMQError) as exc:
@@ -131,23 +131,39 @@ class L3EventBridge:
             return None
         self.epoch, self.dseq, self.beat_s = snap.epoch, snap.seq, snap.beat_s
         self.heard = time.monotonic()
+        return snap
+
+    def _subscribe(self, port: int) -> zmq.Socket:
         host = host_of(self.master)
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, R.topic(self.ns))
         sub.setsockopt(zmq.SUBSCRIBE, R.key_topic(self.ns))
-        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{snap.port}")
+        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
         return sub
 
     def run(self) -> None:
+        """Snapshot, subscribe, follow. The SUB stays open across start-overs, so the
+        snapshot after one is taken with the subscription in effect and the updates that
+        follow it continue its numbers (a SUB opened after its snapshot may miss the first
+        update: a gap, and one more start-over). Start-overs in a row back off."""
         ch = Channel(self.ctx, self.master, self.token)
         sub: Optional[zmq.Socket] = None
+        port, due, resets, reset_at = 0, 0.0, 0, 0.0
         self._emit([AllBlocksCleared()])        # what a router knew of this L3 no longer holds
         try:
             while not self._stop.is_set():
-                if sub is None:
-                    sub = self._follow(ch)
-                    if sub is None:
-                        self._stop.wait(RETRY_S)
+                if not self.epoch:      # no snapshot since the start or the last start-over
+                    if time.monotonic() < due:
+                        self._stop.wait(min(0.05, due - time.monotonic()))
+                        continue
+                    snap = self._snapshot(ch)
+                    if snap is None:
+                        due = time.monotonic() + RETRY_S
+                    elif sub is None or snap.port != port:
+                        if sub is not None:
+                            sub.close(0)
+                        sub, port = self._subscribe(snap.port), snap.port
+                        self.epoch, due = "", time.monotonic() + 0.1   # again, subscribed
                     continue
                 if sub.poll(100):
                     topic, body = sub.recv_multipart()
@@ -159,8 +175,9 @@ class L3EventBridge:
                     continue
                 else:
                     self._start_over(f"silent for {time.monotonic() - self.heard:.1f} s")
-                sub.close(0)
-                sub = None
+                now = time.monotonic()
+                resets = resets + 1 if now - reset_at < 10.0 else 1
+                reset_at, due = now, now + min(8.0, 0.1 * 2 ** (resets - 1))
         finally:
             if sub is not None:
                 sub.close(0)
