@@ -62,14 +62,16 @@ def block_bytes(args) -> int:
 
 
 def open_store(system: str, capacity: int, args, distinct_bytes: int):
-    if system == "hicache-mc":
-        return services.hicache_store(capacity, transport=args.transport)
+    if system in ("hicache-mc", "hicache-mc+view"):     # +view: exists from residency views
+        return services.hicache_store(capacity, transport=args.transport,
+                                      view="on" if system.endswith("+view") else "off")
     if system == "hicache-mc+ssd":
         dram = max(int(args.ssd_dram * distinct_bytes), 1 << 20)
         return services.hicache_store(dram, ssd=max(capacity, 1 << 20), transport=args.transport)
     if system == "mooncake":
         return services.mooncake_store(capacity)
-    raise SystemExit(f"unknown system {system!r} (hicache-mc, hicache-mc+ssd, mooncake)")
+    raise SystemExit(f"unknown system {system!r} (hicache-mc, hicache-mc+view, hicache-mc+ssd, "
+                     f"mooncake)")
 
 
 def run_one(label, capacity_label, store_cm, reqs, args, bb) -> dict:
@@ -97,7 +99,7 @@ def parse_args(argv=None):
     ap.add_argument("--capacities", default="0.1,0.25,0.5,1.0",
                     help="L3 capacities as fractions of the distinct blocks' bytes")
     ap.add_argument("--systems", default="hicache-mc,mooncake",
-                    help="comma list of hicache-mc, hicache-mc+ssd, mooncake")
+                    help="comma list of hicache-mc, hicache-mc+view, hicache-mc+ssd, mooncake")
     ap.add_argument("--ssd-dram", type=float, default=0.05,
                     help="hicache-mc+ssd: DRAM tier as a fraction of the distinct bytes")
     ap.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto")

@@ -68,9 +68,10 @@ class NullL3(BaseL3):
 class HicacheL3(BaseL3):
     name = "hicache-mc"
 
-    def __init__(self, master: str, transport: str = "auto", timeout_s: float = 30.0):
+    def __init__(self, master: str, transport: str = "auto", timeout_s: float = 30.0,
+                 view: str = "off"):
         from hicache_mc.client import StoreClient
-        self.client = StoreClient(master, transport=transport, timeout_s=timeout_s)
+        self.client = StoreClient(master, transport=transport, timeout_s=timeout_s, view=view)
 
     def exists(self, keys):
         return self.client.batch_exists(keys)
@@ -132,7 +133,7 @@ def open_l3(spec: dict) -> BaseL3:
     if kind == "none":
         return NullL3()
     if kind == "hicache-mc":
-        return HicacheL3(spec["master"], spec.get("transport", "auto"))
+        return HicacheL3(spec["master"], spec.get("transport", "auto"), view=spec.get("view", "off"))
     if kind == "mooncake":
         return MooncakeL3(spec["master"])
     raise ValueError(f"unknown L3 kind {kind!r} (none, hicache-mc, mooncake)")

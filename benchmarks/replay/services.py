@@ -57,8 +57,9 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 @contextmanager
-def hicache_store(dram: int, ssd: int = 0, transport: str = "auto"):
-    """``hicache-mc serve`` with ``dram`` bytes of DRAM (at least 1 MiB) and ``ssd`` of SSD."""
+def hicache_store(dram: int, ssd: int = 0, transport: str = "auto", view: str = "off"):
+    """``hicache-mc serve`` with ``dram`` bytes of DRAM (at least 1 MiB) and ``ssd`` of SSD;
+    its clients answer exists from a residency view with ``view="on"``."""
     from hicache_mc.client import StoreClient
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="replay-hicache-")
@@ -87,7 +88,8 @@ def hicache_store(dram: int, ssd: int = 0, transport: str = "auto"):
                 keep = ("objects", "objects_total", "used", "capacity", "evictions", "demotions",
                         "promotions", "ssd_used", "ssd_objects", "ssd_evictions")
                 return {"keys": cl.get("keys"), **{k: node[k] for k in keep if k in node}}
-            yield Store({"kind": "hicache-mc", "master": master, "transport": transport}, stats)
+            yield Store({"kind": "hicache-mc", "master": master, "transport": transport,
+                         "view": view}, stats)
     finally:
         _stop(p)
         shutil.rmtree(tmp, ignore_errors=True)
