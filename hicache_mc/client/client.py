@@ -219,7 +219,7 @@ class StoreClient:
 
     def _exists(self, keys: list[str]) -> int:
         if self.view is not None:
-            count = self.view.exists(keys, self._after())
+            count = self.view.exists(keys)
             if count is not None:
                 return count
         reply = self._master(P.ExistsRequest(keys, self._after()), self._deadline())
@@ -247,10 +247,10 @@ class StoreClient:
         if not keys:
             return []
         def run():
-            after = self._after()
-            found = self.view.contains(keys, after) if self.view is not None else None
+            found = self.view.contains(keys) if self.view is not None else None
             if found is None:
-                found = list(self._master(P.ContainsRequest(keys, after), self._deadline()).present)
+                found = list(self._master(P.ContainsRequest(keys, self._after()),
+                                          self._deadline()).present)
             return found
         return self._guard(run, [False] * len(keys))
 
@@ -323,6 +323,8 @@ class StoreClient:
             for i, good in zip(idx, ok):
                 result[i] = good
             self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
+        if self.view is not None:       # answered as stored by the view (read-your-writes)
+            self.view.own.add([k for k, ok in zip(keys, result) if ok])
         return result
 
     # -------------------------------------------------------------- single-key API

@@ -47,7 +47,8 @@ class DigestSet:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._state)
 
-    def _mask(self, q: np.ndarray) -> np.ndarray:
+    def mask(self, q: np.ndarray) -> np.ndarray:
+        """Per prefix in ``q``: is it in the set? (a bool array)"""
         base, added, removed = self._state
         hit = _in(base, q)
         if len(removed):
@@ -58,11 +59,11 @@ class DigestSet:
 
     def contains(self, q: np.ndarray) -> list[bool]:
         """Per prefix in ``q``: is it in the set?"""
-        return self._mask(q).tolist()
+        return self.mask(q).tolist()
 
     def leading(self, q: np.ndarray) -> int:
         """How many prefixes of ``q``, from the first, are in the set."""
-        hit = self._mask(q)
+        hit = self.mask(q)
         return len(q) if hit.all() else int(hit.argmin())
 
     def apply(self, added: bytes, removed: bytes) -> None:

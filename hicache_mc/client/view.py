@@ -14,10 +14,11 @@ asks the master as it would without one. The view follows the master's publisher
 
 Consistency. The view says "stored" for a key the master had on a live node when it sent the
 update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
-wrong byte; a stale "not stored" is a miss. Read-your-writes: a writer's next lookup names its
-latest commit per node (a fence, see client.py); the view answers it only when it has seen that
-node's reports up to that commit (each update and beat says how far the master had applied
-each node's reports), else the master answers as before.
+wrong byte; a stale "not stored" is a miss. Read-your-writes: the keys this client stored in the
+last OWN_TTL_S (written, or found stored by its Place) count as stored too (``OwnWrites``), so a
+writer's probes do not wait for the view to hear of its own commits, as an SGLang backend that
+backs pages up while it prefetches others would on every probe (a key evicted meanwhile: one
+miss). A clear by this client takes its namespaces out of sync until a new snapshot.
 
 All subscriber work runs on one background thread; callers only read (no lock: see
 client/digests.py), so a lookup never waits for it.
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 STALE_BEATS = 3         # a namespace silent for this many beats is out of sync ...
 STALE_MIN_S = 1.0       # ... and for at least this long (short beats on a loaded host)
+OWN_TTL_S = 10.0        # own writes answered as stored for 5-10 s: the view hears of them in ms
+OWN_MAX = 1 << 20       # own writes held per generation (two generations)
 RETRY_S = 0.5           # a failed snapshot is retried after this ...
 RETRY_MAX_S = 8.0       # ... doubling up to this while they keep failing
 REFUSED_RETRY_S = 60.0  # a snapshot refused (forbidden, too large, no publisher) is asked again
@@ -81,6 +84,7 @@ class ResidencyView:
         self.counters = {"view_answers": 0, "view_fallbacks": 0, "view_snapshots": 0,
                          "view_gaps": 0, "view_stale": 0, "view_epochs": 0}
         self._wanted: set[str] = set()
+        self.own = OwnWrites()
         self._refresh: set[str] = set()     # namespaces this client cleared: snapshot anew
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -108,12 +112,13 @@ class ResidencyView:
         """This client removed the keys under ``prefix`` (a clear, answered once the master had
         applied it): the views of the namespaces it touched answer only after a new snapshot.
         (The removals' updates may still be on their way; a clear carries no fence.)"""
+        self.own.clear()
         with self._lock:
             self._refresh.update(ns for ns in list(self.spaces)
                                  if (ns + "/").startswith(prefix) or prefix.startswith(ns + "/"))
 
-    def _space(self, keys: list[str], after: dict) -> Optional[Space]:
-        """The in-sync space of ``keys`` (one namespace) that has seen the fence ``after``."""
+    def _space(self, keys: list[str]) -> Optional[Space]:
+        """The in-sync space of ``keys`` (one namespace)."""
         first = keys[0]
         i = first.find("/")
         if i < 0:
@@ -127,35 +132,36 @@ class ResidencyView:
             return None
         if not sp.synced or time.monotonic() - sp.heard > self.stale_s or sp.ns in self._refresh:
             return None
-        for node_id, (segment, seq) in after.items():
-            seen = sp.nodes.get(node_id)
-            # another segment: the node restarted, and which record is newer is not known here
-            if seen is None or seen[0] != segment or seen[1] < seq:
-                return None
         return sp
 
-    def contains(self, keys: list[str], after: dict) -> Optional[list[bool]]:
+    def _mask(self, sp: Space, keys: list[str]):
+        q = prefixes(R.digests(keys))
+        hit = sp.keys.mask(q)
+        return self.own.add_to(hit, q)
+
+    def contains(self, keys: list[str]) -> Optional[list[bool]]:
         """Per key: stored? Or None (ask the master). ``keys`` may run through several
         namespaces (a hybrid model's KV pages, then each side pool's): each run is answered by
         its own namespace's view, and all must be in sync."""
         found: list[bool] = []
         for run in _runs(keys):
-            sp = self._space(run, after) if run else None
+            sp = self._space(run) if run else None
             if sp is None:
                 self.counters["view_fallbacks"] += 1
                 return None
-            found += sp.keys.contains(prefixes(R.digests(run)))
+            found += self._mask(sp, run).tolist()
         self.counters["view_answers"] += 1
         return found
 
-    def exists(self, keys: list[str], after: dict) -> Optional[int]:
+    def exists(self, keys: list[str]) -> Optional[int]:
         """The leading run of ``keys`` stored, or None (ask the master)."""
-        sp = self._space(keys, after)
+        sp = self._space(keys)
         if sp is None:
             self.counters["view_fallbacks"] += 1
             return None
         self.counters["view_answers"] += 1
-        return sp.keys.leading(prefixes(R.digests(keys)))
+        hit = self._mask(sp, keys)
+        return len(keys) if hit.all() else int(hit.argmin())
 
     def close(self) -> None:
         with self._lock:
@@ -322,3 +328,38 @@ def _runs(keys: list[str]) -> list[list[str]]:
             if i < len(keys):
                 start, ns = i, keys[i][:keys[i].find("/") + 1]
     return runs
+
+
+class OwnWrites:
+    """The 8-byte digest prefixes of the keys this client stored lately, in two generations of
+    OWN_TTL_S / 2 each (a key is held 5-10 s). Writers (put threads) take a lock; readers take
+    none: a generation is swapped in one assignment."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gens: tuple[set, set, float] = (set(), set(), 0.0)   # current, previous, its end
+        self._rotate_at = time.monotonic() + OWN_TTL_S / 2
+
+    def add(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        new = prefixes(R.digests(keys)).tolist()
+        with self._lock:
+            now = time.monotonic()
+            if now >= self._rotate_at or len(self._gens[0]) + len(new) > OWN_MAX:
+                self._gens = (set(), self._gens[0], now + OWN_TTL_S / 2)
+                self._rotate_at = now + OWN_TTL_S / 2
+            self._gens[0].update(new)
+
+    def add_to(self, hit, q):
+        """``hit`` (a bool array over the prefixes ``q``) with this client's writes set."""
+        cur, old, old_until = self._gens
+        if not old or time.monotonic() >= old_until:
+            old = ()
+        if cur or old:
+            hit |= [p in cur or p in old for p in q.tolist()]
+        return hit
+
+    def clear(self) -> None:
+        with self._lock:
+            self._gens = (set(), set(), 0.0)
