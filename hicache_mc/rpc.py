@@ -53,6 +53,12 @@ _DOWN = {zmq.EVENT_DISCONNECTED: "connection lost", zmq.EVENT_CLOSED: "connectio
 _WATCH = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_DOWN)
 
 
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR receiving ``sock``'s ``events``, named uniquely: pyzmq names it by ``sock.FD``, which
+    a new socket of the shared context reuses while a collected one's name is still bound."""
+    return sock.get_monitor_socket(events, f"inproc://hicache-mc-monitor-{next(_ids)}")
+
+
 CLIENTS = ("client", "admin")
 
 
@@ -299,7 +305,7 @@ class Channel:
         if self.sock is None:
             sock = secure_client(self.ctx.socket(zmq.DEALER), self.cred)
             sock.setsockopt(zmq.RECONNECT_IVL, -1)      # the channel reconnects itself
-            self._monitor = sock.get_monitor_socket(_WATCH)
+            self._monitor = monitor(sock, _WATCH)
             sock.connect(self.address)
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)

@@ -37,7 +37,7 @@ from .. import protocol as P
 from .. import residency as R
 from ..auth import credential, secure_client
 from ..errors import HicacheError, RemoteError
-from ..rpc import Channel, host_of
+from ..rpc import Channel, host_of, monitor
 from .digests import DigestSet, prefixes
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class ResidencyView:
         host = host_of(self.master)
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor(sub, zmq.EVENT_DISCONNECTED)
         sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
         for sp in self.spaces.values():
             if sp.keys is not None:
