@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from .. import protocol as P
@@ -356,8 +357,11 @@ class OwnWrites:
         cur, old, old_until = self._gens
         if not old or time.monotonic() >= old_until:
             old = ()
-        if cur or old:
-            hit |= [p in cur or p in old for p in q.tolist()]
+        if (cur or old) and not hit.all():      # only the view's misses are looked up here
+            for i in np.flatnonzero(~hit).tolist():
+                p = int(q[i])
+                if p in cur or p in old:
+                    hit[i] = True
         return hit
 
     def clear(self) -> None:
