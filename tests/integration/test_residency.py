@@ -39,6 +39,16 @@ def exists_calls(c: StoreClient) -> int:
     return c.stats()["cluster"]["exists_calls"]
 
 
+def one_node(tmp_path, **env) -> Cluster:
+    """A started master (with ``env``) and one node."""
+    c = Cluster(tmp_path)
+    c.env.update(env)
+    c.start_master()
+    c.add_node("64MiB")
+    c.wait_nodes(1)
+    return c
+
+
 @pytest.fixture
 def cluster(tmp_path):
     c = Cluster(tmp_path, heartbeat_s=0.2, liveness=3)
@@ -207,11 +217,7 @@ def test_a_client_that_clears_sees_its_clear_at_once(cluster):
 
 def test_a_master_that_publishes_nothing_still_answers(tmp_path):
     """publish_port -1: no snapshot to be had; every lookup goes to the master, correctly."""
-    c = Cluster(tmp_path)
-    c.env["HICACHE_MC_MASTER_PUBLISH_PORT"] = "-1"
-    c.start_master()
-    c.add_node("64MiB")
-    c.wait_nodes(1)
+    c = one_node(tmp_path, HICACHE_MC_MASTER_PUBLISH_PORT="-1")
     try:
         with StoreClient(c.master, view="on") as r:
             assert r.put(key("np"), b"x")
@@ -228,11 +234,7 @@ def test_a_master_that_publishes_nothing_still_answers(tmp_path):
 
 def test_a_master_that_exits_is_noticed_at_once_not_after_three_beats(tmp_path):
     """Beats every 5 s: silence would take 15 s to notice; the dropped connection takes less."""
-    c = Cluster(tmp_path)
-    c.env["HICACHE_MC_MASTER_PUBLISH_BEAT_S"] = "5"
-    c.start_master()
-    c.add_node("64MiB")
-    c.wait_nodes(1)
+    c = one_node(tmp_path, HICACHE_MC_MASTER_PUBLISH_BEAT_S="5")
     try:
         with StoreClient(c.master, view="on", timeout_s=1.0) as r:
             assert r.put(key("x1"), b"x")

@@ -131,9 +131,14 @@ def logical_anchor(page_size: int = 16, tokens: int = 256):
 def make_hybrid_backend(master: str, anchor, side: dict, *, mla: bool = False, **kw):
     """HiCacheMC through SGLang's factory with ``anchor`` as the KV pool and ``side``
     ({PoolName: host pool}) registered the way HybridCacheController.attach_storage_backend does."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
     cfg = storage_config(master, mla=mla, layout=anchor.layout, **kw)
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, anchor)
+    return register_pools(StorageBackendFactory.create_backend("dynamic", cfg, anchor), anchor, side)
+
+
+def register_pools(backend, anchor, side: dict):
+    """Register ``anchor`` and ``side`` ({PoolName: host pool}) with any v2 backend, in
+    HybridCacheController.attach_storage_backend's order; returns the backend."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
     backend.register_mem_pool_host(anchor)
     backend.register_mem_host_pool_v2(anchor, PoolName.KV)
     for name, pool in side.items():

@@ -18,6 +18,7 @@ pytest.importorskip("mooncake.store", reason="the Mooncake store is not installe
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from pools import register_pools  # noqa: E402
 from test_exists_v2 import N, Rig, result  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -59,13 +60,7 @@ def make_mooncake(master, anchor, side):
         extra_config={"master_server_address": master, "metadata_server": "P2PHANDSHAKE",
                       "protocol": "tcp", "global_segment_size": 0, "local_hostname": "127.0.0.1",
                       "check_server": False})
-    backend = StorageBackendFactory.create_backend("mooncake", cfg, anchor)
-    backend.register_mem_pool_host(anchor)
-    backend.register_mem_host_pool_v2(anchor, PoolName.KV)
-    for name, pool in side.items():
-        backend.register_mem_host_pool_v2(pool, name)
-    backend.on_host_pools_registered()
-    return backend
+    return register_pools(StorageBackendFactory.create_backend("mooncake", cfg, anchor), anchor, side)
 
 
 @pytest.mark.parametrize("case", list(CASES))
