@@ -53,3 +53,28 @@ def test_keys_are_cut_into_runs_of_one_namespace():
     assert _runs(a + b + a[:1]) == [a, b, a[:1]]
     many = [f"n{i}/k" for i in range(MAX_NAMESPACES + 1)]
     assert _runs(many) == [[]]
+
+
+def test_own_writes_are_answered_for_a_while_then_forgotten(monkeypatch):
+    """A client's own writes count as stored for 5-10 s, also when it writes nothing more."""
+    import numpy as np
+
+    from hicache_mc import residency as R
+    from hicache_mc.client import view as V
+    now = [1000.0]
+    monkeypatch.setattr(V.time, "monotonic", lambda: now[0])
+    own = V.OwnWrites()
+    keys = ["ns@t/a/k", "ns@t/b/k"]
+    q = V.prefixes(R.digests(keys + ["ns@t/c/k"]))
+    own.add(keys)
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
+    now[0] += V.OWN_TTL_S / 2 + 0.1             # no write since: still answered ...
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
+    now[0] += V.OWN_TTL_S / 2                   # ... until its generation's time is up
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [False, False, False]
+    own.add(keys[:1])
+    now[0] += V.OWN_TTL_S / 2 + 0.1
+    own.add(keys[1:])                           # a new generation; the first still answers
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
+    own.clear()
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [False, False, False]

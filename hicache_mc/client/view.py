@@ -332,14 +332,16 @@ def _runs(keys: list[str]) -> list[list[str]]:
 
 
 class OwnWrites:
-    """The 8-byte digest prefixes of the keys this client stored lately, in two generations of
-    OWN_TTL_S / 2 each (a key is held 5-10 s). Writers (put threads) take a lock; readers take
-    none: a generation is swapped in one assignment."""
+    """The 8-byte digest prefixes of the keys this client stored lately, in generations that take
+    writes for OWN_TTL_S / 2 and answer for OWN_TTL_S / 2 more (a key is held 5-10 s, whether or
+    not the client writes again). Writers (put threads) take a lock; readers take none: the
+    generations are swapped in one assignment."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._gens: tuple[set, set, float] = (set(), set(), 0.0)   # current, previous, its end
         self._rotate_at = time.monotonic() + OWN_TTL_S / 2
+        # (current, answered until, previous, answered until)
+        self._gens: tuple = (set(), self._rotate_at + OWN_TTL_S / 2, set(), 0.0)
 
     def add(self, keys: list[str]) -> None:
         if not keys:
@@ -347,23 +349,25 @@ class OwnWrites:
         new = prefixes(R.digests(keys)).tolist()
         with self._lock:
             now = time.monotonic()
-            if now >= self._rotate_at or len(self._gens[0]) + len(new) > OWN_MAX:
-                self._gens = (set(), self._gens[0], now + OWN_TTL_S / 2)
+            cur, cur_until = self._gens[0], self._gens[1]
+            if now >= self._rotate_at or len(cur) + len(new) > OWN_MAX:
                 self._rotate_at = now + OWN_TTL_S / 2
+                self._gens = (set(), self._rotate_at + OWN_TTL_S / 2, cur, now + OWN_TTL_S / 2)
             self._gens[0].update(new)
 
     def add_to(self, hit, q):
         """``hit`` (a bool array over the prefixes ``q``) with this client's writes set."""
-        cur, old, old_until = self._gens
-        if not old or time.monotonic() >= old_until:
-            old = ()
-        if (cur or old) and not hit.all():      # only the view's misses are looked up here
+        cur, cur_until, old, old_until = self._gens
+        now = time.monotonic()
+        live = [g for g, until in ((cur, cur_until), (old, old_until)) if g and now < until]
+        if live and not hit.all():      # only the view's misses are looked up here
             for i in np.flatnonzero(~hit).tolist():
                 p = int(q[i])
-                if p in cur or p in old:
+                if any(p in g for g in live):
                     hit[i] = True
         return hit
 
     def clear(self) -> None:
         with self._lock:
-            self._gens = (set(), set(), 0.0)
+            self._rotate_at = time.monotonic() + OWN_TTL_S / 2
+            self._gens = (set(), self._rotate_at + OWN_TTL_S / 2, set(), 0.0)
