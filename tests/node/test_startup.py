@@ -33,7 +33,9 @@ def start(tmp_path):
     def run(cmd: str, shm_dir: str, *args: str) -> Proc:
         port = str(free_port())
         head = ["node", "--master", f"tcp://127.0.0.1:{port}"] if cmd == "node" else ["serve", "--port", port]
-        env = {"HICACHE_MC_SHM_DIR": shm_dir, "HICACHE_MC_DATA_DIR": str(tmp_path / "data")}
+        env = {"HICACHE_MC_SHM_DIR": shm_dir, "HICACHE_MC_DATA_DIR": str(tmp_path / "data"),
+               # serve's master: not 9370, which another hicache-mc on this host may hold
+               "HICACHE_MC_MASTER_METRICS_PORT": "0"}
         procs.append(Proc([*head, *args], str(tmp_path / f"{cmd}.log"), env, os.setsid).start())
         return procs[-1]
     yield run
