@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -66,9 +67,21 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return "\n".join([line(heads), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
 
+def _relative(value):
+    """``value`` with every path inside the checkout made relative to it (results are committed:
+    no absolute path of the machine that ran them)."""
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative(v) for v in value]
+    if isinstance(value, str) and value.startswith(CHECKOUT + os.sep):
+        return os.path.relpath(value, CHECKOUT)
+    return value
+
+
 def write_json(name: str, doc: dict) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, name)
     with open(path, "w") as f:
-        json.dump({"machine": machine(), **doc}, f, indent=2)
+        json.dump(_relative({"machine": machine(), **doc}), f, indent=2)
     return path
