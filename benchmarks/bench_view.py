@@ -53,7 +53,7 @@ def main() -> None:
         times = []
         for _ in range(20_000):
             t = time.perf_counter()
-            n = view.exists(batch, {})
+            n = view.exists(batch)
             times.append(time.perf_counter() - t)
         assert n == 128, n
         print(f"exists(128) from the view, {label}: p50 {np.median(times) * 1e6:.1f} us, "
