@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 from ..direct import kv_namespace
 from ..keys import batch_page_keys
+from .hits_v2 import leading
 from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
@@ -169,7 +170,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             else:
                 ok = self.client.batch_get_into(skeys, ptrs, sizes)
             pages = self._pages(ok, n)
-            done = _leading(pages)
+            done = leading(pages)
             self.metrics.record("prefetch", done, done * self.geometry.page_bytes,
                                 time.perf_counter() - start)
             self.episodes.ok("batch_get_v1")
@@ -321,10 +322,3 @@ class HiCacheMC(HybridPools, HiCacheStorage):
 def _int_attr(obj, name: str, default: int) -> int:
     value = getattr(obj, name, None)
     return default if value is None else int(value)
-
-
-def _leading(flags: List[bool]) -> int:
-    for i, f in enumerate(flags):
-        if not f:
-            return i
-    return len(flags)
