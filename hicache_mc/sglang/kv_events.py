@@ -237,8 +237,7 @@ class L3EventBridge:
 def parse(argv=None):
     """(args, ClientConfig): the master and token as every hicache-mc command reads them
     (file < HICACHE_MC_* < flags; the secret from ``--token-file``, never an argument)."""
-    from ..admin import token_arg
-    from ..config import ClientConfig, load_config
+    from ..admin import client_config
     ap = argparse.ArgumentParser(description="hicache-mc L3 residency as SGLang KV events",
                                  allow_abbrev=False)
     ap.add_argument("--master", help="tcp://HOST:PORT (default: HICACHE_MC_MASTER, else the "
@@ -251,8 +250,7 @@ def parse(argv=None):
     ap.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558", help="replay ROUTER endpoint")
     ap.add_argument("--block-size", type=int, default=0, help="tokens per page (the deployment's page size)")
     args = ap.parse_args(argv)
-    return args, load_config(ClientConfig, file=args.config, section="client", master=args.master,
-                             token=token_arg(args))
+    return args, client_config(args)
 
 
 def main(argv=None) -> int:
