@@ -119,10 +119,6 @@ class PlaceReply(Message):
     # node id per key; None = already stored (nothing to write); "" = no live node
     targets: Annotated[list[Optional[Name]], Meta(max_length=MAX_KEYS)]
     nodes: NodeRecords
-    # the reports applied of each node holding a key already stored: the writer's next
-    # lookups are fenced on them, as on its own commits (a residency view that has not yet
-    # seen that key's commit must not answer "not stored" for it)
-    stored: Fence = {}
 
 
 class StatsRequest(Message):

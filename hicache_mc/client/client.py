@@ -95,13 +95,11 @@ class StoreClient:
         return ch
 
     def _note_commit(self, node: P.NodeInfo, seq: int) -> None:
-        self._note_mark(node.node_id, P.segment_of(node), seq)
-
-    def _note_mark(self, node_id: str, segment: str, seq: int) -> None:
         if seq > 0:
-            old = self._fences.get(node_id)
-            if old is None or old[1][0] != segment or old[1][1] < seq:   # (threads race here)
-                self._fences[node_id] = (time.monotonic() + FENCE_TTL_S, [segment, seq])
+            mark = [P.segment_of(node), seq]
+            old = self._fences.get(node.node_id)
+            if old is None or old[1][0] != mark[0] or old[1][1] < seq:   # (threads race here)
+                self._fences[node.node_id] = (time.monotonic() + FENCE_TTL_S, mark)
 
     def _after(self) -> dict:
         """The fence for a lookup: this client's recent commits, per node."""
@@ -308,8 +306,6 @@ class StoreClient:
         deadline = self._deadline()
         placed = self._master(P.PlaceRequest(keys, sizes, self.host), deadline)
         self._learn(placed.nodes)
-        for node_id, (segment, seq) in placed.stored.items():   # fence as if we had written
-            self._note_mark(node_id, segment, seq)
         result = [t is None for t in placed.targets]      # None: already stored
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, target in enumerate(placed.targets):

@@ -232,8 +232,7 @@ class MasterService(Service):
         self.check_tenant(msg.keys)
         self.counters["place_calls"] += 1
         live = self.registry.live_slots()
-        slots = [None if v is None else v >> 104 for v in self.index.get_many(msg.keys)]
-        todo = [i for i, s in enumerate(slots) if s not in live]
+        todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
         chosen = self.registry.place([msg.sizes[i] for i in todo], msg.host)
         targets: list = [None] * len(msg.keys)
         for i, node_id in zip(todo, chosen):
@@ -241,9 +240,7 @@ class MasterService(Service):
         nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
         self.counters["placed"] += len(todo)
         self.counters["deduplicated"] += len(msg.keys) - len(todo)
-        holders = (self.registry.nodes.get(self.slots.ids[s]) for s in set(slots) & live)
-        stored = {st.info.node_id: (st.segment, st.seq) for st in holders if st is not None}
-        return P.PlaceReply(targets, nodes, stored)
+        return P.PlaceReply(targets, nodes)
 
     def on_StatsRequest(self, msg, ident, req_id):
         now = time.monotonic()

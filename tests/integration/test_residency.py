@@ -98,7 +98,7 @@ def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):
             view._apply = real
 
 
-def test_a_put_of_a_key_already_stored_fences_the_writers_lookups(cluster):
+def test_a_put_of_a_key_already_stored_counts_as_the_writers_own(cluster):
     """A put whose keys another client stored writes nothing and gets no commit; it counts as
     this writer's own write all the same, so its view (here: its thread held) answers it."""
     with StoreClient(cluster.master) as w1, StoreClient(cluster.master, view="on") as w2:
