@@ -24,7 +24,7 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
 fi
 
 $PIP install -q torch==2.13.0 $C
-$PIP install -q -r requirements/base.txt -r requirements/test.txt $C
+$PIP install -q -r requirements/base.txt -r requirements/conductor.txt -r requirements/test.txt $C
 # sglang pins torch==2.14.1 (CUDA); install it without dependencies and add the light lists.
 # pip prints "sglang requires torch==2.14.1 ..." here: expected, the exit code stays 0.
 $PIP install -q --no-deps sglang==0.5.23 $C
