@@ -1,4 +1,5 @@
-"""``hicache-mc``: serve | master | node | demo here; stats | quota | clear | credential in admin.py."""
+"""``hicache-mc``: serve | master | node | demo here; stats | quota | clear | credential in admin.py;
+conductor in conductor/main.py."""
 from __future__ import annotations
 
 import argparse
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_node)
 
     add_commands(sub, common)
+    from .conductor.main import add_parser as add_conductor
+    add_conductor(sub, common)
 
     s = sub.add_parser("demo", help="start an embedded store and push a KV-page stream through it")
     s.add_argument("--dram", help="DRAM tier of the embedded node (default 2GiB)")

@@ -17,7 +17,7 @@ from .errors import ConfigError
 
 ENV_PREFIX = "HICACHE_MC_"
 DEFAULT_MASTER = "tcp://127.0.0.1:7370"
-SECTIONS = ("master", "node", "client")     # a config file's tables: one per role
+SECTIONS = ("master", "node", "client", "conductor")   # a config file's tables: one per role
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -198,6 +198,57 @@ class ClientConfig:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
 
 
+@dataclass(frozen=True)
+class ConductorServerConfig:
+    """``hicache-mc conductor``: the HTTP router in front of SGLang workers (conductor/)."""
+    host: str = "127.0.0.1"            # bind address of the HTTP port
+    port: int = 30000                  # SGLang's router's default port
+    # workers, comma-separated (more at runtime through the admin API): plain ones, PD prefill
+    # ones as "URL" or "URL BOOTSTRAP_PORT", PD decode ones
+    worker_urls: str = ""
+    prefill_urls: str = ""
+    decode_urls: str = ""
+    tokenizer: str = ""                # the served model's tokenizer folder ("" = route on load)
+    page_size: int = 0                 # tokens per page (0 = the workers' own, from /server_info)
+    ttft_slo_s: float = 2.0            # SLOs of requests that name none (headers do)
+    tbt_slo_s: float = 0.1
+    admission: str = "off"             # off | early | predictive (429 before an SLO is lost)
+    slo_tolerance: float = 0.1         # reject above SLO x (1 + tolerance)
+    work_weight: float = 0.0           # the core's total-work term (0: Algorithm 1 as written)
+    # the shared L3 (hicache-mc): its master, the deployment's namespace (the SGLang backend
+    # logs it) and its page parts (k,v; kv for MLA); "" = no L3
+    l3_master: str = ""
+    l3_namespace: str = ""
+    l3_parts: str = "k,v"
+    token: str = field(default="", repr=False)   # the L3 client credential ("@FILE" reads it)
+    kv_bytes_per_token: int = 0        # KV bytes of one token on a worker (0 = the model's default)
+    host_bw: float = 0.0               # B/s of a worker's L2 -> L1 path (0 = the model's default)
+    l3_bw: float = 0.0                 # B/s of a worker's L3 -> L2 path (0 = the model's default)
+    poll_s: float = 0.2                # /v1/loads polls: a failing worker is out within ~2 of them
+    stall_s: float = 1.0               # expected KV events this late mark the stream stalled
+    index_blocks: int = 1 << 20        # the block index's LRU bound
+    max_body: int = size_field("32MiB")    # largest request body
+    max_inflight: int = 4096           # requests in progress beyond which new ones get 503
+    retries: int = 2                   # times a request a worker failed unstarted is re-routed
+    request_timeout_s: float = 1800.0  # a worker's whole answer, as SGLang's router allows
+    api_key: str = field(default="", repr=False)     # clients' bearer token ("" = none)
+    admin_key: str = field(default="", repr=False)   # the admin API's bearer token ("" = off)
+
+    def __post_init__(self):
+        _check_port(self.port, "port")
+        if self.admission not in ("off", "early", "predictive"):
+            raise ConfigError(f"admission: expected off, early or predictive, got {self.admission!r}")
+        if bool(self.l3_master) != bool(self.l3_namespace):
+            raise ConfigError("l3_master and l3_namespace: give both (the L3 view) or neither")
+        if self.l3_master:
+            object.__setattr__(self, "l3_master", master_address(self.l3_master))
+        for name in ("ttft_slo_s", "tbt_slo_s", "poll_s", "stall_s", "request_timeout_s",
+                     "index_blocks", "max_body", "max_inflight"):
+            _check_positive(getattr(self, name), name)
+        if self.page_size < 0 or self.retries < 0 or self.slo_tolerance < 0:
+            raise ConfigError("page_size, retries and slo_tolerance must be >= 0")
+
+
 def master_address(value: str) -> str:
     """``tcp://HOST:PORT``, from itself or from ``HOST:PORT`` (Mooncake's form); anything else
     is a ConfigError: a master address ZeroMQ cannot dial would turn every call into a miss."""
@@ -317,14 +368,14 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
     name, typ = f.name, f.type
     if f.metadata.get("size"):
         return parse_size(value, name)
-    if name == "token" and isinstance(value, str) and value.startswith("@"):
+    if name in ("token", "api_key", "admin_key") and isinstance(value, str) and value.startswith("@"):
         try:   # a token kept in a file stays out of process listings and shell history
             with open(value[1:]) as fh:
                 token = fh.read().strip()
         except OSError as exc:
-            raise ConfigError(f"token: cannot read {value[1:]!r}: {exc.strerror}") from None
+            raise ConfigError(f"{name}: cannot read {value[1:]!r}: {exc.strerror}") from None
         if not token:       # an empty file must not silently mean "no authentication"
-            raise ConfigError(f"token: {value[1:]!r} is empty")
+            raise ConfigError(f"{name}: {value[1:]!r} is empty")
         return token
     try:
         if typ in ("bool", bool):
