@@ -119,7 +119,8 @@ class Dispatcher:
         s = self.s
         extra = {"X-Conductor-Worker": d.worker, "X-Conductor-Request-Id": req.rid,
                  "X-Conductor-Predicted-TTFT": f"{d.prediction.ttft_s:.4f}"}
-        on_first = lambda at: self._started(d, req, at)      # noqa: E731
+        sent = time.monotonic()
+        on_first = lambda at: self._started(d, req, at, sent)      # noqa: E731
         if d.decode_worker is not None:
             extra["X-Conductor-Decode-Worker"] = d.decode_worker
             return await s.pd.relay(request, kind, body, headers, extra, d, on_first)
@@ -129,22 +130,22 @@ class Dispatcher:
         return await proxy.relay(s.session, request, d.worker, w.config.url + kind.value, body,
                                  headers, extra, s.timeout, on_first)
 
-    def _started(self, d: Decision, req: Request, at: Optional[float]) -> None:
+    def _started(self, d: Decision, req: Request, at: Optional[float], sent: float = 0.0) -> None:
         """A streamed answer's first bytes (``at``); for an answer that comes whole, the
         predicted first token (``None``): the router's clock of the worker's queue moves on
         as it predicted, rather than counting the request as queued until it ends."""
         self.s.router.observe_started(Started(d.worker, req.rid, time.monotonic() if at is None else at))
         if at is not None:
-            self._expect(d, req)
+            self._expect(d, req, sent)
 
-    def _expect(self, d: Decision, req: Request) -> None:
+    def _expect(self, d: Decision, req: Request, sent: float) -> None:
         """The worker has computed the prompt: the events of pages the router did not know it
         held are due now."""
         known = sum(d.prediction.pages.get(t, 0) for t in (Tier.GPU, Tier.HOST))
         if len(req.page_hashes) > known:
             stream = self.s.fleet.stream(d.worker)
             if stream is not None:
-                stream.expect()
+                stream.expect(sent)
 
     def _finished(self, kind: Kind, d: Decision, req: Request, r: Relayed) -> None:
         s = self.s
@@ -164,7 +165,7 @@ class Dispatcher:
                     cached.get(Tier.GPU if tier == usage.UNSPLIT else tier, 0) + n
         ok = r.outcome is Outcome.DONE and r.status < 400
         if ok and not r.streamed:
-            self._expect(d, req)
+            self._expect(d, req, r.sent_s)
         s.router.observe_finished(Finished(
             d.worker, req.rid, now, u.prompt_tokens if u else req.prompt_tokens,
             u.completion_tokens if u else 0, cached, ttft, ok=ok))

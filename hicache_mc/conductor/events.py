@@ -76,9 +76,12 @@ class EventStream:
 
     # ------------------------------------------------------------------ from the server
 
-    def expect(self) -> None:
-        """A request just showed that the worker computed pages the router did not know it
-        held: their events must arrive within ``stall_s``."""
+    def expect(self, since: float) -> None:
+        """A request sent at ``since`` just showed that the worker computed pages the router
+        did not know it held: their events must arrive within ``stall_s``, unless a batch
+        came in since it was sent (the stream is alive: it may even have been that one)."""
+        if self.heard > since:
+            return
         if self.expected is None:
             self.expected = time.monotonic() + self.stall_s
             self._wake.set()
@@ -121,7 +124,7 @@ class EventStream:
                     frames = await sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                await self._on_message(frames)
+                await self.receive(frames)
         if self.expected is not None and time.monotonic() >= self.expected:
             await self._probe()
 
@@ -136,7 +139,8 @@ class EventStream:
             self.connected = False
             self._health(False, "its event connection dropped")
 
-    async def _on_message(self, frames: list) -> None:
+    async def receive(self, frames: list) -> None:
+        """One PUB message ``[topic, seq, payload]``, in the order it arrived."""
         frame = kv_wire.parse(frames)
         if frame is None or frame.batch is None:
             self.counters.malformed += 1
