@@ -25,6 +25,12 @@ async def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     prompts = Prompts(spec["tokenizer"])
+    if spec.get("cached_tokenizer"):
+        # benchmarks: the conductor's piece-cached tokenization, which gives the same ids
+        # (tests/conductor/test_prompts.py) for a fraction of the CPU
+        from hicache_mc.conductor.prompts import PromptTokenizer
+        fast = PromptTokenizer(spec["tokenizer"])
+        prompts.chat, prompts.text = fast.chat, fast.text
     page_hashes(list(range(32)), 16)   # loads SGLang's native hash extension (seconds, once)
     rooms: dict = {}
     workers = [StandinWorker(w["name"], prompts, {**spec.get("defaults", {}), **w}, rooms)

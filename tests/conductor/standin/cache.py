@@ -48,14 +48,14 @@ class PageCache:
         self.parent: dict[str, Optional[str]] = {}
         self.l3 = l3            # an L3Pages or None
 
-    def match(self, pages: list[str]) -> Match:
+    async def match(self, pages: list[str]) -> Match:
         gpu = 0
         while gpu < len(pages) and pages[gpu] in self.gpu:
             gpu += 1
         host = gpu
         while host < len(pages) and pages[host] in self.host:
             host += 1
-        l3 = self.l3.leading(pages[host:]) if self.l3 is not None and host < len(pages) else 0
+        l3 = await self.l3.leading(pages[host:]) if self.l3 is not None and host < len(pages) else 0
         return Match(gpu, host - gpu, l3)
 
     def touch(self, pages: list[str]) -> None:
@@ -137,29 +137,38 @@ class PageCache:
 class L3Pages:
     """The shared L3 as the stand-in sees it: the real store, under one namespace, through a
     ``StoreClient`` (a page is its ``k`` and ``v`` objects, a few bytes each: the store and
-    the conductor's view care about keys, not sizes)."""
+    the conductor's view care about keys, not sizes). Calls run on one thread of their own,
+    in order, so the workers' event loop never waits on the store."""
 
     PARTS = ("k", "v")
 
     def __init__(self, master: str, namespace: str):
+        from concurrent.futures import ThreadPoolExecutor
+
         import numpy as np
         from hicache_mc.client import StoreClient
         self.client = StoreClient(master, view="off")
         self.ns = namespace
         self._payload = np.zeros(64, dtype=np.uint8)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="standin-l3")
 
     def _keys(self, pages: list[str]) -> list[str]:
         from hicache_mc.keys import batch_page_keys
         return batch_page_keys(self.ns, pages, self.PARTS)
 
-    def leading(self, pages: list[str]) -> int:
-        return self.client.batch_exists(self._keys(pages)) // len(self.PARTS)
+    async def leading(self, pages: list[str]) -> int:
+        import asyncio
+        keys = self._keys(pages)
+        found = await asyncio.get_running_loop().run_in_executor(self.pool, self.client.batch_exists, keys)
+        return found // len(self.PARTS)
 
     def put(self, pages: list[str]) -> None:
         keys = self._keys(pages)
         if keys:
             p = self._payload
-            self.client.batch_put_from(keys, [p.ctypes.data] * len(keys), [p.nbytes] * len(keys))
+            self.pool.submit(self.client.batch_put_from, keys, [p.ctypes.data] * len(keys),
+                             [p.nbytes] * len(keys))
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         self.client.close()

@@ -147,7 +147,9 @@ class Engine:
             if job.wait_for is not None and not job.wait_for.done():
                 continue
             if job.prefilled == 0:
-                fetch_s += self._start(job)
+                fetch_s += await self._start(job)
+                if job not in self.waiting:
+                    continue                    # aborted while its L3 lookup ran
             take = min(budget, len(job.tokens) - job.prefilled)
             parts.append((take, job.prefilled))
             job.prefilled += take
@@ -156,19 +158,19 @@ class Engine:
         await self._sleep(self.perf.prefill_batch_s(parts) + fetch_s)
         events: list = []
         for job in batch:
-            if job.prefilled < len(job.tokens):
-                continue                    # the next chunk in a later forward
+            if job.prefilled < len(job.tokens) or job not in self.waiting:
+                continue                    # the next chunk in a later forward, or aborted
             self.waiting.remove(job)
             events += self.cache.insert(job.pages, job.tokens)
             self._emit(job, events)
         self.publish(events)
 
-    def _start(self, job: Job) -> float:
+    async def _start(self, job: Job) -> float:
         """Match the prompt against the tiers; the time to bring the matched pages in."""
         if job.wait_for is not None:        # PD decode: the KV came from the prefill worker
             job.prefilled = len(job.tokens)
             return 0.0
-        job.match = self.cache.match(job.pages)
+        job.match = await self.cache.match(job.pages)
         self.cache.touch(job.pages[:job.match.gpu])
         page_bytes = self.perf.page_bytes(self.cache.page_size)
         job.prefilled = min(job.cached_tokens, max(0, len(job.tokens) - 1))
