@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from .api import LoadReport
+from .proxy import TooLarge, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,9 @@ class LoadPoller:
                     return f"{path} answered {resp.status}"
                 if not self.has_loads:
                     return None
-                body = await resp.content.read(MAX_BODY + 1)
-                if len(body) > MAX_BODY:
+                try:
+                    body = await read_capped(resp.content, MAX_BODY)
+                except TooLarge:
                     return f"{path} answered over {MAX_BODY} bytes"
                 self.on_report(report(self.worker, _json(body), sent, time.monotonic()))
                 return None

@@ -32,6 +32,21 @@ HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"
        "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
 
 
+class TooLarge(ValueError):
+    """A body over the size its reader allows."""
+
+
+async def read_capped(content: aiohttp.StreamReader, cap: int) -> bytes:
+    """A whole body, refused past ``cap`` bytes (``StreamReader.read(n)`` returns what has
+    arrived, up to ``n``: one network read, not the body)."""
+    buf = bytearray()
+    async for chunk in content.iter_any():
+        buf += chunk
+        if len(buf) > cap:
+            raise TooLarge(f"over {cap} bytes")
+    return bytes(buf)
+
+
 class Outcome(enum.Enum):
     DONE = "done"
     NOT_STARTED = "not_started"
@@ -88,11 +103,11 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, worker: st
 
 async def _whole(request: web.Request, up: aiohttp.ClientResponse, extra: dict, r: Relayed) -> Relayed:
     try:
-        body = await up.content.read(MAX_ANSWER + 1)
+        body = await read_capped(up.content, MAX_ANSWER)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         r.error = f"its answer broke off: {type(exc).__name__}: {exc}"
         return r                               # nothing sent to the client yet
-    if len(body) > MAX_ANSWER:
+    except TooLarge:
         r.error = f"its answer is over {MAX_ANSWER} bytes"
         return r
     r.first_s, r.tail = time.monotonic(), body

@@ -44,6 +44,7 @@ from .intake import BadRequest, Kind, read
 from .metrics import Metrics, gauge
 from .pd import PDRelay
 from .prompts import PromptTokenizer
+from .proxy import TooLarge, read_capped
 from .workers import Fleet, Hooks, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -193,9 +194,9 @@ class ConductorServer:
                 async with self.session.get(w.config.url + "/v1/models",
                                             timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     if resp.status == 200:
-                        return web.Response(body=await resp.content.read(1 << 20),
+                        return web.Response(body=await read_capped(resp.content, 1 << 20),
                                             content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, TooLarge):
                 continue
         return error_response(503, "no worker answers /v1/models", "service_unavailable")
 

@@ -30,6 +30,7 @@ import zmq.asyncio
 from .api import Event, LoadReport, Role, WorkerSpec
 from .events import EventStream
 from .load_poller import LoadPoller
+from .proxy import read_capped
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class Fleet:
                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:
                     return config
-                info = orjson.loads(await resp.content.read(4 << 20))
+                info = orjson.loads(await read_capped(resp.content, 4 << 20))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("worker %s: no /server_info (%s); using its configuration only", config.name, exc)
             return config

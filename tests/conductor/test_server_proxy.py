@@ -64,6 +64,16 @@ def test_answers_reach_the_client_byte_exact(conductor, fleet, path, stream):
         assert got.endswith(b"data: [DONE]\n\n") and got.count(b"data: ") > 3
 
 
+def test_a_large_answer_passes_whole(conductor, fleet):
+    """An answer of many reads (300 kB; aiohttp hands it over 32-64 kB at a time)."""
+    body = chat("a long answer please", standin_pad=300_000)
+    r = requests.post(conductor.url + "/v1/chat/completions", json=body,
+                      headers={**AUTH, "X-Standin-Tag": "large"}, timeout=30)
+    assert r.status_code == 200
+    assert r.content == fleet.sent(r.headers["X-Conductor-Worker"], "large")
+    assert len(r.content) > 300_000
+
+
 def test_info_endpoints(conductor):
     assert requests.get(conductor.url + "/health", timeout=5).status_code == 200
     assert requests.get(conductor.url + "/ready", timeout=5).status_code == 200

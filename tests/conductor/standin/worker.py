@@ -178,6 +178,8 @@ class StandinWorker:
             out.finished, out.e2e_s = True, time.monotonic() - job.arrival
             doc = {"generate": F.generate_doc, "text_completion": F.text_full,
                    "chat.completion": F.chat_full}[kind](out)
+            if body.get("standin_pad"):           # a test's large answer (bytes of padding)
+                doc["pad"] = "x" * int(body["standin_pad"])
             data = json.dumps(doc).encode()
             self._record(request, data)
             return web.Response(body=data, content_type="application/json")
