@@ -231,6 +231,7 @@ class ConductorServerConfig:
     max_inflight: int = 4096           # requests in progress beyond which new ones get 503
     retries: int = 2                   # times a request a worker failed unstarted is re-routed
     request_timeout_s: float = 1800.0  # a worker's whole answer, as SGLang's router allows
+    shutdown_grace_s: float = 30.0     # after SIGTERM, requests in progress get this long
     api_key: str = field(default="", repr=False)     # clients' bearer token ("" = none)
     admin_key: str = field(default="", repr=False)   # the admin API's bearer token ("" = off)
 
@@ -242,7 +243,7 @@ class ConductorServerConfig:
             raise ConfigError("l3_master and l3_namespace: give both (the L3 view) or neither")
         if self.l3_master:
             object.__setattr__(self, "l3_master", master_address(self.l3_master))
-        for name in ("ttft_slo_s", "tbt_slo_s", "poll_s", "stall_s", "request_timeout_s",
+        for name in ("ttft_slo_s", "tbt_slo_s", "poll_s", "stall_s", "request_timeout_s", "shutdown_grace_s",
                      "index_blocks", "max_body", "max_inflight"):
             _check_positive(getattr(self, name), name)
         if self.page_size < 0 or self.retries < 0 or self.slo_tolerance < 0:

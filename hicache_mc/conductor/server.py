@@ -134,7 +134,8 @@ class ConductorServer:
                            c.poll_s, c.stall_s)
         for wc in configured_workers(c):
             await self.fleet.add(wc)
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                                    shutdown_timeout=c.shutdown_grace_s)
         await self.runner.setup()
         if sock is None:
             sock = socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET)
