@@ -104,7 +104,8 @@ class ConductorProc:
         self.p = subprocess.Popen(
             [sys.executable, "-m", "hicache_mc.cli", "-v", "conductor", "--port", str(self.port),
              "--admin-key-file", self.key, *self.args], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
+            env=dict(os.environ, PYTHONUNBUFFERED="1", HICACHE_MC_CONDUCTOR_SHUTDOWN_GRACE_S="2",
+                     **self.env))
         log.close()
         path = "/ready" if ready else "/health"
         try:
@@ -159,13 +160,15 @@ class Cuttable:
     """A TCP relay from a local port to ``target`` (host, port) that a test can cut: every
     connection through it closes and the port refuses new ones, until ``mend()``."""
 
-    def __init__(self, target: tuple):
+    def __init__(self, target: tuple, record: bool = False):
         import threading
         self.target = target
         self.lock = threading.Lock()
         self.conns: list = []
         self.lsock = None
         self.port = 0
+        self.record = record
+        self.recorded: list[bytearray] = []    # per connection: what the target sent back
         self.mend()
 
     def mend(self) -> None:
@@ -187,25 +190,34 @@ class Cuttable:
                 client, _ = lsock.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:                      # the target is gone: so is this connection
+                client.close()
+                continue
+            tape = bytearray() if self.record else None
             with self.lock:
                 self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                if tape is not None:
+                    self.recorded.append(tape)
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, tape), daemon=True).start()
 
     @staticmethod
-    def _pipe(src, dst) -> None:
+    def _pipe(src, dst, tape=None) -> None:
+        import socket
         try:
             while data := src.recv(65536):
+                if tape is not None:
+                    tape += data
                 dst.sendall(data)
         except OSError:
             return
         finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    continue
+            for s in (src, dst):     # shutdown first: it wakes the other direction's recv
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
 
     def cut(self) -> None:
         import socket
@@ -222,3 +234,29 @@ class Cuttable:
 
     def close(self) -> None:
         self.cut()
+
+
+def http_bodies(raw: bytes) -> list[bytes]:
+    """The bodies of the HTTP/1.1 responses one after another in ``raw`` (chunked bodies
+    de-chunked), as a client reads them."""
+    out, i = [], 0
+    while i < len(raw):
+        end = raw.index(b"\r\n\r\n", i)
+        head = raw[i:end].lower()
+        i = end + 4
+        if b"transfer-encoding: chunked" in head:
+            body = bytearray()
+            while True:
+                line_end = raw.index(b"\r\n", i)
+                size = int(raw[i:line_end].split(b";")[0], 16)
+                body += raw[line_end + 2:line_end + 2 + size]
+                i = line_end + 2 + size + 2
+                if size == 0:
+                    break
+            out.append(bytes(body))
+        else:
+            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                           if h.startswith(b"content-length:")), 0)
+            out.append(raw[i:i + length])
+            i += length
+    return out
