@@ -1,7 +1,8 @@
 """deploy/ agrees with the code: its files parse, every hicache-mc command in them passes the
 real CLI parser, every HICACHE_MC_* variable names a setting, a bind beyond loopback comes
 with a token from a file, Prometheus scrapes the metrics ports the compose file sets, and the
-Grafana dashboard uses only metrics that a running master and node serve. Docker, systemd and
+Grafana dashboard uses only metrics that a running master and node serve; the conductor's
+config files load, and it binds beyond loopback only with an API key. Docker, systemd and
 Kubernetes are not needed."""
 import dataclasses
 import json
@@ -14,12 +15,15 @@ from pathlib import Path
 import pytest
 
 from hicache_mc.cli import build_parser
-from hicache_mc.config import ENV_PREFIX, ClientConfig, MasterConfig, NodeConfig
+from hicache_mc.config import (ENV_PREFIX, ClientConfig, ConductorServerConfig, MasterConfig,
+                               NodeConfig, load_config)
 from procs import free_port
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-ROLES = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
-SERVICE_ROLES = {"serve": ("master", "node"), "master": ("master",), "node": ("node",)}
+ROLES = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig,
+         "conductor": ConductorServerConfig}
+SERVICE_ROLES = {"serve": ("master", "node"), "master": ("master",), "node": ("node",),
+                 "conductor": ("conductor",)}
 
 
 def load_yaml(name: str) -> list:
@@ -47,6 +51,9 @@ def check_command(argv: list[str], env: dict, where: str) -> None:
     host = args.host or env.get(f"{ENV_PREFIX}HOST") or "127.0.0.1"
     if not host.startswith("127."):
         assert args.token_file or token, f"{where}: binds {host} without a token file"
+        if argv[0] == "conductor":
+            assert args.api_key_file and args.admin_key_file, \
+                f"{where}: the conductor binds {host} without API and admin keys from files"
 
 
 def compose() -> dict:
@@ -66,7 +73,7 @@ def flag(argv: list[str], name: str) -> str:
 def test_compose_runs_a_master_and_two_nodes_with_valid_commands():
     doc = compose()
     commands = compose_commands()
-    assert sorted(argv[0] for argv, _ in commands.values()) == ["master", "node", "node"]
+    assert sorted(argv[0] for argv, _ in commands.values()) == ["conductor", "master", "node", "node"]
     for name, (argv, env) in commands.items():
         check_command(argv, env, f"compose.yaml {name}")
         if "--token-file" in argv:
@@ -81,6 +88,9 @@ def test_compose_runs_a_master_and_two_nodes_with_valid_commands():
 def test_prometheus_scrapes_the_metrics_ports_of_the_compose_file():
     expected = set()
     for name, (argv, env) in compose_commands().items():
+        if argv[0] == "conductor":                  # /metrics on its HTTP port
+            expected.add(f"{name}:{flag(argv, '--port')}")
+            continue
         port = flag(argv, "--metrics-port" if argv[0] == "master" else "--node-metrics-port")
         expected.add(f"{name}:{port}")
         assert env.get("HICACHE_MC_METRICS_HOST") == "0.0.0.0", f"{name}: metrics only on its loopback"
@@ -93,23 +103,55 @@ def test_prometheus_scrapes_the_metrics_ports_of_the_compose_file():
 
 def test_kubernetes_manifests_parse_and_their_commands_are_valid():
     docs = load_yaml("kubernetes.yaml")
-    kinds = {d["kind"]: d for d in docs}
-    assert {"Deployment", "Service", "DaemonSet"} <= set(kinds)
+    kinds: dict = {}
+    for d in docs:
+        kinds.setdefault(d["kind"], []).append(d)
+    assert {"Deployment", "Service", "DaemonSet", "ConfigMap"} <= set(kinds)
     runs = {}
     for kind in ("Deployment", "DaemonSet"):
-        for c in kinds[kind]["spec"]["template"]["spec"]["containers"]:
-            env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
-            check_command(c["args"], env, f"kubernetes.yaml {kind} {c['name']}")
-            runs[c["args"][0]] = c
-    master, node = runs["master"], runs["node"]
+        for workload in kinds[kind]:
+            for c in workload["spec"]["template"]["spec"]["containers"]:
+                env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+                check_command(c["args"], env, f"kubernetes.yaml {kind} {c['name']}")
+                runs[c["args"][0]] = c
+    master, node, conductor = runs["master"], runs["node"], runs["conductor"]
     # readiness: a TCP check on the port the command sets (the node's stream port opens last)
     assert master["readinessProbe"]["tcpSocket"]["port"] == int(flag(master["args"], "--port"))
     assert node["readinessProbe"]["tcpSocket"]["port"] == int(flag(node["args"], "--data-port"))
-    service_ports = {p["targetPort"] for p in kinds["Service"]["spec"]["ports"]}
-    assert int(flag(master["args"], "--port")) in service_ports
-    assert flag(node["args"], "--master").endswith(
-        f"{kinds['Service']['metadata']['name']}.{kinds['Service']['metadata']['namespace']}:"
-        f"{flag(master['args'], '--port')}")
+    assert conductor["readinessProbe"]["httpGet"] == {"path": "/ready", "port": int(flag(conductor["args"], "--port"))}
+    services = {svc["metadata"]["name"]: svc for svc in kinds["Service"]}
+    master_svc = services["hicache-mc-master"]
+    assert int(flag(master["args"], "--port")) in {p["targetPort"] for p in master_svc["spec"]["ports"]}
+    assert int(flag(conductor["args"], "--port")) in \
+        {p["targetPort"] for p in services["hicache-mc-conductor"]["spec"]["ports"]}
+    store = f"{master_svc['metadata']['name']}.{master_svc['metadata']['namespace']}:{flag(master['args'], '--port')}"
+    assert flag(node["args"], "--master").endswith(store)
+    # the conductor's settings, from its ConfigMap, load and point at that master
+    (config_map,) = kinds["ConfigMap"]
+    mounts = {m["name"]: m["mountPath"] for m in conductor["volumeMounts"]}
+    assert flag(conductor["args"], "--config") == f"{mounts['config']}/conductor.toml"
+    config = _load_conductor_toml(config_map["data"]["conductor.toml"])
+    assert config.l3_master.endswith(store) and config.worker_urls
+
+
+def _load_conductor_toml(text: str) -> ConductorServerConfig:
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        return load_config(ConductorServerConfig, file=f.name, env={}, section="conductor")
+
+
+def test_the_compose_conductor_reads_its_config_and_reaches_the_master():
+    argv, _ = compose_commands()["conductor"]
+    volumes = compose()["services"]["conductor"]["volumes"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in volumes}
+    assert mounted[flag(argv, "--config")] == "./conductor.toml"
+    config = _load_conductor_toml((DEPLOY / "conductor.toml").read_text())
+    master_argv, _ = compose_commands()["master"]
+    master_ip = compose()["services"]["master"]["networks"]["store"]["ipv4_address"]
+    assert config.l3_master == f"tcp://{master_ip}:{flag(master_argv, '--port')}"
+    assert config.tokenizer in mounted
 
 
 def test_dockerfile_and_systemd_units_run_valid_commands():
