@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from hicache_mc.config import ClientConfig, NodeConfig, MasterConfig, load_config, parse_size
+from hicache_mc.config import (ClientConfig, ConductorServerConfig, MasterConfig, NodeConfig, load_config,
+                               parse_size)
 from hicache_mc.errors import ConfigError
 
 
@@ -81,7 +82,7 @@ def test_every_setting_is_documented():
     import dataclasses
     import os
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
-    for cls in (MasterConfig, NodeConfig, ClientConfig):
+    for cls in (MasterConfig, NodeConfig, ClientConfig, ConductorServerConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name} is missing from docs/configuration.md"
 
@@ -126,3 +127,19 @@ def test_an_unknown_section_is_refused_naming_the_known_ones(tmp_path, section):
     cls = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}[section]
     with pytest.raises(ConfigError, match=r"\[nodes\].*\[master\], \[node\], \[client\]"):
         load_config(cls, file=str(f), env={}, section=section)
+
+
+def test_conductor_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="admission: expected off, early or predictive"):
+        load_config(ConductorServerConfig, env={}, admission="sometimes")
+    with pytest.raises(ConfigError, match="l3_master and l3_namespace"):
+        load_config(ConductorServerConfig, env={}, l3_master="tcp://127.0.0.1:7370")
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    c = load_config(ConductorServerConfig, env={"HICACHE_MC_CONDUCTOR_PORT": "31000"}, section="conductor",
+                    api_key=f"@{key}", l3_master="10.0.0.2:7370", l3_namespace="ns")
+    assert (c.port, c.api_key, c.l3_master) == (31000, "s3cret", "tcp://10.0.0.2:7370")
+    assert "s3cret" not in repr(c)
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match="admin_key: .* is empty"):
+        load_config(ConductorServerConfig, env={}, admin_key=f"@{tmp_path / 'empty'}")

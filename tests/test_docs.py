@@ -7,7 +7,8 @@ import shlex
 import pytest
 
 from hicache_mc.cli import build_parser
-from hicache_mc.config import ClientConfig, MasterConfig, NodeConfig, load_config
+from hicache_mc.config import (ClientConfig, ConductorServerConfig, MasterConfig, NodeConfig,
+                               load_config)
 from snippets import blocks, run_block
 
 DOCS = ["docs/architecture.md", "docs/configuration.md", "docs/operations.md", "docs/sglang.md"]
@@ -28,7 +29,8 @@ NOT_RUN = {
     "test_live_server.py": "tests of the suite itself (live SGLang servers, minutes)",
     "test_plugin_order.py": "tests of the suite itself (a fresh SGLang per case)",
 }
-SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig,
+            "conductor": ConductorServerConfig}
 PREFIXES = {"sudo", "exec", "nohup", "time"}    # words that still leave a command to come
 CONTROL = {"|", "||", "&", "&&", ";", ">", ">>", "<", "(", ")"}
 
