@@ -21,7 +21,8 @@ Lifecycle (one ``EventStream`` per worker, a task on the conductor's loop):
    and otherwise reports ``StreamHealth(live=False)``: the router routes that worker on load
    alone until a batch arrives again.
 
-Nothing here blocks the loop: every socket is a ``zmq.asyncio`` socket read under a timeout.
+Nothing here blocks the loop: the SUB socket is read on a thread of its own into a bounded
+queue (``_Reader``), the replay socket is a ``zmq.asyncio`` socket read under a timeout.
 Frames are capped (``kv_wire.MAX_FRAME``) and a malformed one is counted and skipped; the
 publisher is a worker the operator named, but its port still gets no trust.
 """
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -42,6 +45,8 @@ from .api import Cleared, Event, StreamHealth
 log = logging.getLogger(__name__)
 
 STALL_S = 1.0          # events of a step are published as it ends: 1 s is ample slack
+QUEUE_FRAMES = 10_000  # batches held for a busy loop (SGLang's replay buffer holds as many) ...
+QUEUE_BYTES = 256 << 20   # ... and at most this many bytes of them
 REPLAY_TIMEOUT_S = 2.0
 REPLAY_MAX_BATCHES = 100_000       # SGLang's buffer holds 10,000 by default
 
@@ -53,6 +58,7 @@ class StreamCounters:
     lost: int = 0                # gaps that could not be filled (Cleared)
     stalls: int = 0
     malformed: int = 0
+    dropped: int = 0             # frames dropped while the loop was behind (gaps, then filled)
     skipped_events: int = 0      # events of other media (DISK, EXTERNAL)
     restarts: int = 0            # the publisher started its numbers over
 
@@ -93,44 +99,38 @@ class EventStream:
     # ------------------------------------------------------------------ the task
 
     async def run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, kv_wire.MAX_FRAME)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
+        loop = asyncio.get_running_loop()
+        reader = _Reader(self.endpoint, self.topic, lambda: loop.call_soon_threadsafe(self._wake.set))
+        reader.start()
         try:
             await self._fill(0, catch_up=True)
             while not self._stop.is_set():
-                await self._turn(sub, monitor)
-        except asyncio.CancelledError:
-            raise
+                await self._turn(reader)
         finally:
-            sub.disable_monitor()
-            monitor.close(0)
-            sub.close(0)
+            reader.stop()
+            await loop.run_in_executor(None, reader.join, 2.0)
+            self.counters.dropped = reader.dropped
 
-    async def _turn(self, sub, monitor) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+    async def _turn(self, reader: "_Reader") -> None:
         timeout = 0.25 if self.expected is None else max(0.0, self.expected - time.monotonic())
-        ready = dict(await poller.poll(int(timeout * 1000) + 1))
-        if monitor in ready:
-            await self._on_monitor(await monitor.recv_multipart())
-        if sub in ready:
-            for _ in range(256):            # drain a burst, then let the loop breathe
-                try:
-                    frames = await sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                await self.receive(frames)
+        if not reader.frames and not reader.monitor:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        while reader.monitor:
+            await self._on_monitor(reader.monitor.popleft())
+        for _ in range(256):                # a burst, then let the loop breathe
+            if not reader.frames:
+                break
+            size, frames = reader.frames.popleft()
+            reader.queued -= size
+            await self.receive(frames)
         if self.expected is not None and time.monotonic() >= self.expected:
             await self._probe()
 
-    async def _on_monitor(self, frames: list) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-        event = parse_monitor_message(frames)["event"]
+    async def _on_monitor(self, event: int) -> None:
         if event == zmq.EVENT_CONNECTED:
             self.connected = True
             if await self._fill(self.last + 1):      # what was published while we were away
@@ -252,3 +252,62 @@ class EventStream:
             return out
         finally:
             sock.close(0)
+
+
+class _Reader(threading.Thread):
+    """The SUB socket and its connection monitor, read on a thread of their own, into bounded
+    queues the stream drains on the loop. ZeroMQ's input then never stops on a full pipe
+    while the loop is busy: libzmq 4.3.5 aborts the process when a connection whose input had
+    stopped is replaced (``Assertion failed: _input_stopped``, zeromq/libzmq#3937), seen here
+    under a replayed trace. A frame that finds its queue full is dropped and counted: the
+    stream sees the gap in the numbers and fills it from the replay endpoint."""
+
+    def __init__(self, endpoint: str, topic: bytes, wake: Callable[[], None]):
+        super().__init__(name="kv-events-reader", daemon=True)
+        self.endpoint, self.topic, self.wake = endpoint, topic, wake
+        self.frames: deque = deque()          # (bytes, frames), appended here, taken on the loop
+        self.monitor: deque = deque()
+        self.dropped = 0
+        self.queued = 0                       # bytes in ``frames`` (approximate across threads)
+        self._stop_flag = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+
+    def run(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, kv_wire.MAX_FRAME)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._stop_flag.is_set():
+                ready = dict(poller.poll(100))
+                woke = False
+                if monitor in ready:
+                    self.monitor.append(parse_monitor_message(monitor.recv_multipart())["event"])
+                    woke = True
+                while sub in ready:
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    size = sum(len(f) for f in frames)
+                    if len(self.frames) >= QUEUE_FRAMES or self.queued + size > QUEUE_BYTES:
+                        self.dropped += 1
+                    else:
+                        self.queued += size
+                        self.frames.append((size, frames))
+                    woke = True
+                if woke:
+                    self.wake()
+        finally:
+            sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)

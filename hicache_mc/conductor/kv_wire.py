@@ -20,7 +20,8 @@ import msgspec
 from .api import BlocksRemoved, BlocksStored, Cleared, Event, Tier
 
 END_SEQ = -1
-MAX_FRAME = 64 << 20           # a batch larger than this is refused (a hostile or broken peer)
+MAX_FRAME = 16 << 20           # a batch larger than this is refused (SGLang's for a 128k-token
+#                                prefill, token ids included, is ~1 MiB)
 
 
 class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
