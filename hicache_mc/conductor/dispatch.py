@@ -26,7 +26,7 @@ from typing import Optional
 import orjson
 from aiohttp import web
 
-from . import proxy, usage
+from . import proxy, reach, usage
 from .api import Decision, Finished, Rejection, RejectReason, Request, Started, Tier
 from .intake import Intake, Kind
 from .proxy import Outcome, Relayed
@@ -78,6 +78,8 @@ class Dispatcher:
                 return rejection_response(decision)
             if attempt == 0:
                 s.metrics.overhead.observe(time.monotonic() - arrived)
+                if intake.rest:       # what routing did not need, encoded while the worker works
+                    asyncio.get_running_loop().call_soon(reach.warm, s.prompts, intake.rest)
             self._log(rid, decision)
             timer = None if intake.stream else asyncio.get_running_loop().call_later(
                 decision.prediction.ttft_s, self._started, decision, req, None)

@@ -54,6 +54,8 @@ class PromptTokenizer:
         self.hits = self.misses = 0
         self.specials = self._specials()
         self.splitter = self._splitter()
+        self.partial = False
+        self.partial = self._partial()
 
     # ------------------------------------------------------------------ set-up
 
@@ -124,10 +126,68 @@ class PromptTokenizer:
             self.cached_chars -= len(old)
         return ids
 
+    # ------------------------------------------------------------------ by pieces
+
+    def pieces(self, text: str, add_special_tokens: bool) -> Optional[list]:
+        """``text`` as the encoder sees it: ids (added and special tokens) and the text between
+        them, each encoded independently; None when this tokenizer is not encoded by pieces."""
+        if self.splitter is None:
+            return None
+        out: list = []
+        if add_special_tokens:
+            out += self.specials[0]
+        for piece in self.splitter.split(text):
+            if piece:
+                out.append(self.added_ids.get(piece, piece))
+        if add_special_tokens:
+            out += self.specials[1]
+        return out
+
+    def ids(self, piece: str) -> list[int]:
+        """One piece's ids (from the cache, or encoded into it)."""
+        return self._piece(piece)
+
+    def known(self, piece: str) -> Optional[list[int]]:
+        """One piece's ids if they are in the cache."""
+        return self.cache.get(piece)
+
+    def head(self, piece: str, chars: int) -> tuple[list[int], int]:
+        """The ids of the longest start of ``piece[:chars]`` that ends where the pre-tokenizer
+        cuts (tokens never span a cut there, so they are the first ids of the whole piece), and
+        its length in characters; ``([], 0)`` when this tokenizer cannot say."""
+        if not self.partial:
+            return [], 0
+        cuts = self.backend.pre_tokenizer.pre_tokenize_str(piece[:chars])
+        if len(cuts) < 2:
+            return [], 0
+        end = cuts[-1][1][0]                 # the last pre-token may continue past ``chars``
+        return self.backend.encode(piece[:end], add_special_tokens=False).ids, end
+
+    def _partial(self) -> bool:
+        """Whether ``head`` holds for this tokenizer: checked on a probe at several cuts."""
+        pre = self.backend.pre_tokenizer
+        if self.splitter is None or pre is None or self.backend.normalizer is not None:
+            return False
+        probe = ("Lorem ipsum,  dolor sit amet; 12345 67.8 e.g. don't  stop\n\n  "
+                 "naïve café — 漢字 🙂\tx  y " * 20)
+        whole = self.backend.encode(probe, add_special_tokens=False).ids
+        self.partial = True
+        for chars in range(7, len(probe), 97):
+            ids, _ = self.head(probe, chars)
+            if ids != whole[:len(ids)]:
+                log.warning("prompts: the start of a text encodes differently alone; long new "
+                            "prompts are encoded whole before routing")
+                return False
+        return True
+
     # ------------------------------------------------------------------ requests
 
     def chat(self, body: dict) -> list[int]:
         """The prompt ids of a chat completion request."""
+        return self.encode(self.render_chat(body), add_special_tokens=False)
+
+    def render_chat(self, body: dict) -> str:
+        """A chat completion request's prompt text, rendered as SGLang renders it."""
         if self.template is None:
             raise Unroutable("the tokenizer has no chat template")
         if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
@@ -141,7 +201,7 @@ class PromptTokenizer:
             **(body.get("chat_template_kwargs") or {}))
         if not isinstance(text, str):
             raise Unroutable("the template did not render text")
-        return self.encode(text, add_special_tokens=False)
+        return text
 
     def _message(self, msg: Any) -> dict:
         if not isinstance(msg, dict):

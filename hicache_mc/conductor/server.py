@@ -39,6 +39,7 @@ from aiohttp import web
 from ..config import ConductorServerConfig
 from . import query
 from .api import Role, WorkerSpec
+from .chain import Chain
 from .dispatch import Dispatcher, error_response
 from .intake import BadRequest, Kind, read
 from .metrics import Metrics, gauge
@@ -173,7 +174,7 @@ class ConductorServer:
             try:
                 body = await asyncio.wait_for(request.read(), BODY_DEADLINE_S)
                 intake = read(kind, orjson.loads(body), request.headers, self.prompts,
-                              self.fleet.page_size)
+                              self.fleet.page_size, self._held)
             except web.HTTPRequestEntityTooLarge:
                 return error_response(413, f"the body is over {self.config.max_body} bytes",
                                       "invalid_request_error")
@@ -186,6 +187,15 @@ class ConductorServer:
             return await self.dispatcher.run(request, kind, body, intake, arrived)
         finally:
             self.inflight -= 1
+
+    def _held(self, c: Chain) -> int:
+        """Leading pages of ``c`` that some worker (L1 or L2) or the L3 holds."""
+        index = getattr(self.router, "index", None)
+        best = max((p.gpu + p.host for p in index.prefixes(c.block_hashes).values()), default=0) \
+            if index is not None else 0
+        if self.l3 is not None and best < len(c.page_hashes):
+            best = max(best, self.l3(c.page_hashes))
+        return best
 
     # ------------------------------------------------------------------ info
 
