@@ -115,10 +115,7 @@ class EventStream:
         timeout = 0.25 if self.expected is None else max(0.0, self.expected - time.monotonic())
         if not reader.frames and not reader.monitor:
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            await woken(self._wake, timeout)
         while reader.monitor:
             await self._on_monitor(reader.monitor.popleft())
         for _ in range(256):                # a burst, then let the loop breathe
@@ -252,6 +249,15 @@ class EventStream:
             return out
         finally:
             sock.close(0)
+
+
+async def woken(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``event`` was set within ``timeout_s``."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 class _Reader(threading.Thread):

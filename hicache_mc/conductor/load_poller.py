@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from .api import LoadReport
+from .events import woken
 from .proxy import TooLarge, read_capped
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,8 @@ class LoadPoller:
             else:
                 self.on_health(False, why)
             left = self.interval_s - (time.monotonic() - start)
-            if left > 0:
-                try:
-                    await asyncio.wait_for(self._stop.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+            if left > 0 and await woken(self._stop, left):
+                return
 
     async def poll_once(self) -> Optional[str]:
         """One poll; None when the worker answered well, else what went wrong."""

@@ -71,8 +71,7 @@ class PDRelay:
         try:
             async with self.s.session.post(url, data=body, headers=headers,
                                            timeout=self.s.timeout) as resp:
-                async for _ in resp.content.iter_any():
-                    pass
+                await proxy.read_capped(resp.content, proxy.MAX_ANSWER)
                 return f"prefill answered {resp.status}" if resp.status >= 500 else ""
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, proxy.TooLarge) as exc:
             return f"prefill: {type(exc).__name__} {exc}".strip()
