@@ -79,7 +79,7 @@ class Dispatcher:
             if attempt == 0:
                 s.metrics.overhead.observe(time.monotonic() - arrived)
                 if intake.rest:       # what routing did not need, encoded while the worker works
-                    asyncio.get_running_loop().call_soon(reach.warm, s.prompts, intake.rest)
+                    reach.warm(s.prompts, intake.rest, asyncio.get_running_loop())
             self._log(rid, decision)
             timer = None if intake.stream else asyncio.get_running_loop().call_later(
                 decision.prediction.ttft_s, self._started, decision, req, None)

@@ -28,6 +28,7 @@ import logging
 import re
 from array import array
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class PromptTokenizer:
         self.backend = self.tok.backend_tokenizer
         self.template = self.tok.chat_template
         self.openai_format = bool(self.template and _FOR_CONTENT.search(self.template))
-        self.cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.cache: OrderedDict[str, list[int]] = OrderedDict()    # touched on the loop only
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prompts-warm")
         self.cache_chars, self.cached_chars = cache_chars, 0
         self.hits = self.misses = 0
         self.specials = self._specials()
@@ -119,12 +121,16 @@ class PromptTokenizer:
             return ids
         self.misses += 1
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        self._store(text, ids)
+        return ids
+
+    def _store(self, text: str, ids: list[int]) -> None:
+        cache = self.cache
         cache[text] = ids
         self.cached_chars += len(text)
         while self.cached_chars > self.cache_chars and cache:
             old, _ = cache.popitem(last=False)
             self.cached_chars -= len(old)
-        return ids
 
     # ------------------------------------------------------------------ by pieces
 
@@ -146,6 +152,23 @@ class PromptTokenizer:
     def ids(self, piece: str) -> list[int]:
         """One piece's ids (from the cache, or encoded into it)."""
         return self._piece(piece)
+
+    def warm(self, pieces: list, loop) -> None:
+        """Encode the pieces not cached on a thread of its own (``tokenizers`` lets go of the
+        interpreter lock while it encodes), and cache them on ``loop``, which serves on."""
+        todo = [p for p in pieces if isinstance(p, str) and p not in self.cache]
+        if todo:
+            self._pool.submit(self._encode_for, todo, loop)
+
+    def _encode_for(self, todo: list, loop) -> None:
+        ids = [e.ids for e in self.backend.encode_batch(todo, add_special_tokens=False)]
+        loop.call_soon_threadsafe(self._remember, todo, ids)
+
+    def _remember(self, pieces: list, ids: list) -> None:
+        for piece, piece_ids in zip(pieces, ids):
+            if piece not in self.cache:
+                self.misses += 1
+                self._store(piece, piece_ids)
 
     def known(self, piece: str) -> Optional[list[int]]:
         """One piece's ids if they are in the cache."""

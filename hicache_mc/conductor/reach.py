@@ -4,9 +4,9 @@ Routing needs a prompt's page chain only as far as some worker or the L3 holds i
 first page held nowhere, no page can be a hit (a chain is a prefix). A long piece of text
 the piece cache has not seen (a conversation's new turn, a pasted document) is therefore
 encoded a window at a time, and only while every page so far is held somewhere; what is
-left is encoded once the request has gone to its worker (``warm``: the next turn of the
-conversation will need it), and its length meanwhile estimated from the characters per
-token of the part encoded.
+left is encoded once the request has gone to its worker, on a thread of its own (``warm``:
+the next turn of the conversation will need it), and its length meanwhile estimated from
+the characters per token of the part encoded.
 
 A cold 8k-token prompt then costs one window's encoding before routing (measured in
 benchmarks/bench_conductor_overhead.py), not the whole prompt's (5-15 ms on this host).
@@ -69,8 +69,12 @@ def _estimate(rest: list, head: list, used: int) -> int:
     return sum(1 if isinstance(p, int) else int(len(p) * per_char + 0.5) for p in rest)
 
 
-def warm(prompts: PromptTokenizer, rest: list) -> None:
-    """Encode what routing skipped, into the piece cache."""
+def warm(prompts: PromptTokenizer, rest: list, loop=None) -> None:
+    """Encode what routing skipped into the piece cache: off the loop when given one (the
+    request's answer is not held up), else here."""
+    if loop is not None:
+        prompts.warm(rest, loop)
+        return
     for piece in rest:
         if isinstance(piece, str):
             prompts.ids(piece)

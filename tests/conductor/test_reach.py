@@ -62,3 +62,19 @@ def test_text_prompts_too_with_their_special_tokens(prompts, seed):
     prompts.cache.clear()
     routed = reach.encode(prompts, prompts.pieces(prompt, True), held=lambda ids: 0, page_size=PAGE)
     assert routed.ids == whole[:len(routed.ids)]
+
+
+def test_warming_runs_off_the_loop_and_caches_on_it(prompts):
+    import asyncio
+    rendered = prompts.render_chat(chat(3))
+    whole = prompts.encode(rendered, add_special_tokens=False)
+    prompts.cache.clear()
+    routed = reach.encode(prompts, prompts.pieces(rendered, False), held=lambda ids: 0, page_size=PAGE)
+
+    async def go():
+        reach.warm(prompts, routed.rest, asyncio.get_running_loop())
+        while not all(p in prompts.cache for p in routed.rest if isinstance(p, str)):
+            await asyncio.sleep(0.01)
+    asyncio.run(asyncio.wait_for(go(), 30))
+    again = reach.encode(prompts, prompts.pieces(rendered, False), held=lambda ids: 0, page_size=PAGE)
+    assert again.complete and again.ids == whole
