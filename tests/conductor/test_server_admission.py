@@ -10,7 +10,7 @@ import time
 
 import pytest
 import requests
-from harness import ConductorProc, StandinFleet, wait_for
+from harness import ConductorProc, wait_for
 
 from procs import free_port
 SLO_S = 1.0
@@ -22,17 +22,9 @@ PREDICTION_ERROR_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tokenizer_dir):
-    f = StandinFleet(tmp_path_factory.mktemp("fleet"), tokenizer_dir, [{"name": "a0"}, {"name": "a1"}],
-                     time_scale=3.0).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def conductor(tmp_path_factory, fleet, tokenizer_dir):
+def conductor(tmp_path_factory, standins, tokenizer_dir):
     c = ConductorProc(tmp_path_factory.mktemp("conductor"), free_port(), [
-        "--worker-urls", f"a0={fleet.url('a0')}", f"a1={fleet.url('a1')}", "--tokenizer", tokenizer_dir,
+        "--worker-urls", f"a0={standins.url('a0')}", f"a1={standins.url('a1')}", "--tokenizer", tokenizer_dir,
         "--admission", "early", "--ttft-slo", str(SLO_S)],
         env={"HICACHE_MC_CONDUCTOR_SLO_TOLERANCE": str(TOLERANCE)}).start()
     yield c

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import requests
-from harness import ConductorProc, Cuttable, StandinFleet, wait_for
+from harness import ConductorProc, Cuttable, wait_for
 
 from procs import free_port
 from tokenizer import text, words
@@ -20,32 +20,24 @@ WORKERS = ["f0", "f1", "f2", "f3"]
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tokenizer_dir):
-    f = StandinFleet(tmp_path_factory.mktemp("fleet"), tokenizer_dir,
-                     [{"name": n} for n in WORKERS], page_size=PAGE, time_scale=5.0).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def relay(fleet):
+def relay(standins):
     """f0's event PUB port behind a relay the tests can cut."""
-    host, _, port = fleet.workers["f0"]["events"].removeprefix("tcp://").rpartition(":")
+    host, _, port = standins.workers["f0"]["events"].removeprefix("tcp://").rpartition(":")
     r = Cuttable((host, int(port)))
     yield r
     r.close()
 
 
 @pytest.fixture(scope="module")
-def conductor(tmp_path_factory, fleet, relay, tokenizer_dir):
+def conductor(tmp_path_factory, standins, relay, tokenizer_dir):
     c = ConductorProc(tmp_path_factory.mktemp("conductor"), free_port(),
                       ["--tokenizer", tokenizer_dir, "--page-size", str(PAGE)],
                       env={"HICACHE_MC_CONDUCTOR_STALL_S": "0.5"}).start(ready=False)
     for name in WORKERS:
-        doc = {"url": fleet.url(name), "name": name}
+        doc = {"url": standins.url(name), "name": name}
         if name == "f0":
             doc["events"] = f"tcp://127.0.0.1:{relay.port}"
-            doc["replay"] = fleet.workers["f0"]["replay"]
+            doc["replay"] = standins.workers["f0"]["replay"]
         assert c.admin("POST", "/workers", json=doc).status_code == 200
     wait_for(lambda: all(w["healthy"] for w in c.workers().values()), 20, "all workers healthy")
     yield c
@@ -75,46 +67,46 @@ def prompts(tokenizer_dir):
     return PromptTokenizer(tokenizer_dir)
 
 
-def test_a_worker_answering_5xx_leaves_the_rotation_and_comes_back(conductor, fleet):
-    fleet.control("f3", "fail", status=503)
+def test_a_worker_answering_5xx_leaves_the_rotation_and_comes_back(conductor, standins):
+    standins.control("f3", "fail", status=503)
     # out within 1 s of failing (its load polls run every 0.2 s); generous slack for this host
     wait_for(lambda: not conductor.workers()["f3"]["healthy"], 3.0, "f3 out of the rotation")
     for i in range(6):
         r = ask(conductor, convo(1000 + i))
         assert r.status_code == 200 and r.headers["X-Conductor-Worker"] != "f3"
-    fleet.control("f3", "fail", status=0)
+    standins.control("f3", "fail", status=0)
     wait_for(lambda: conductor.workers()["f3"]["healthy"], 5.0, "f3 back in the rotation")
 
 
-def test_a_stalled_event_stream_means_load_only_until_it_resumes(conductor, fleet, prompts):
+def test_a_stalled_event_stream_means_load_only_until_it_resumes(conductor, standins, prompts):
     holder = ask(conductor, convo(2)).headers["X-Conductor-Worker"]
     wait_for(lambda: held(conductor, prompts, convo(2), holder) > 0, 10, "the holder's events")
-    fleet.control(holder, "pause_events")
+    standins.control(holder, "pause_events")
     r = ask(conductor, convo(2, 1))           # new pages on the holder: their events are due
     assert r.headers["X-Conductor-Worker"] == holder
     wait_for(lambda: not conductor.workers()[holder]["events_live"], 5, "the stream marked stalled")
     # its cache is unknown now: left out of residency answers, routed on load alone
     assert holder not in conductor.post("/query", {"token_ids": [1] * 64}).json()["default"]
-    fleet.control(holder, "resume_events")
+    standins.control(holder, "resume_events")
     wait_for(lambda: conductor.workers()[holder]["events_live"], 5, "the stream live again")
     wait_for(lambda: held(conductor, prompts, convo(2, 1), holder) > held(conductor, prompts, convo(2), holder),
              5, "the held events applied")
 
 
-def test_an_event_gap_is_filled_from_the_replay_endpoint(conductor, fleet, relay, prompts):
+def test_an_event_gap_is_filled_from_the_replay_endpoint(conductor, standins, relay, prompts):
     before = conductor.metrics().get('hicache_mc_conductor_events_gaps{worker="f0"}', 0)
     relay.cut()
     # f0 computes pages the conductor does not hear of: sent to f0 directly
     body = {"messages": convo(3), "max_tokens": 2}
-    assert requests.post(fleet.url("f0") + "/v1/chat/completions", json=body, timeout=30).ok
+    assert requests.post(standins.url("f0") + "/v1/chat/completions", json=body, timeout=30).ok
     assert held(conductor, prompts, convo(3), "f0") == 0
     relay.mend()
     wait_for(lambda: held(conductor, prompts, convo(3), "f0") > 0, 10, "the missed events, replayed")
     assert conductor.metrics()['hicache_mc_conductor_events_gaps{worker="f0"}'] > before
 
 
-def test_a_restarted_conductor_rebuilds_its_index_from_replay(tmp_path, fleet, prompts, tokenizer_dir):
-    urls = [f"{n}={fleet.url(n)}" for n in ("f1", "f2", "f3")]
+def test_a_restarted_conductor_rebuilds_its_index_from_replay(tmp_path, standins, prompts, tokenizer_dir):
+    urls = [f"{n}={standins.url(n)}" for n in ("f1", "f2", "f3")]
     first = ConductorProc(tmp_path, free_port(), ["--worker-urls", *urls, "--tokenizer", tokenizer_dir]).start()
     holder = ask(first, convo(4)).headers["X-Conductor-Worker"]
     wait_for(lambda: held(first, prompts, convo(4), holder) > 0, 10, "the first conductor's index")
@@ -128,8 +120,8 @@ def test_a_restarted_conductor_rebuilds_its_index_from_replay(tmp_path, fleet, p
         again.stop()
 
 
-def test_the_index_keeps_to_its_lru_bound(tmp_path, fleet, tokenizer_dir):
-    c = ConductorProc(tmp_path, free_port(), ["--worker-urls", f"f1={fleet.url('f1')}",
+def test_the_index_keeps_to_its_lru_bound(tmp_path, standins, tokenizer_dir):
+    c = ConductorProc(tmp_path, free_port(), ["--worker-urls", f"f1={standins.url('f1')}",
                       "--tokenizer", tokenizer_dir], env={"HICACHE_MC_CONDUCTOR_INDEX_BLOCKS": "64"}).start()
     try:
         for seed in range(5, 9):                    # ~40 pages each
@@ -141,7 +133,7 @@ def test_the_index_keeps_to_its_lru_bound(tmp_path, fleet, tokenizer_dir):
         c.stop()
 
 
-def test_a_worker_killed_mid_run(conductor, fleet):
+def test_a_worker_killed_mid_run(conductor, standins):
     """Last: it kills f2. Its streams already answering end with an error event naming it; a
     request it had not answered yet is answered by another worker; it leaves the rotation."""
     for name in ("f0", "f1", "f3"):
@@ -155,10 +147,10 @@ def test_a_worker_killed_mid_run(conductor, fleet):
     threads = [threading.Thread(target=run, args=(i, i < 3)) for i in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: fleet.stats("f2")["running"] == 4, 10, "four requests decoding on f2")
-    assert conductor.admin("POST", "/workers", json={"url": fleet.url("f1"), "name": "f1"}).ok
+    wait_for(lambda: standins.stats("f2")["running"] == 4, 10, "four requests decoding on f2")
+    assert conductor.admin("POST", "/workers", json={"url": standins.url("f1"), "name": "f1"}).ok
     wait_for(lambda: conductor.workers()["f1"]["healthy"], 5, "f1 in the rotation")
-    fleet.control("f2", "crash")
+    standins.control("f2", "crash")
     for t in threads:
         t.join()
     for i in range(3):

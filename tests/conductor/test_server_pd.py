@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from harness import ConductorProc, StandinFleet, wait_for
+from harness import ConductorProc, wait_for
 
 from procs import free_port
 from tokenizer import text, words
@@ -14,20 +14,10 @@ VOCAB = words()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tokenizer_dir):
-    f = StandinFleet(tmp_path_factory.mktemp("fleet"), tokenizer_dir, [
-        {"name": "p0", "role": "prefill", "bootstrap_port": 18998},
-        {"name": "p1", "role": "prefill", "bootstrap_port": 18999},
-        {"name": "d0", "role": "decode"}]).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def conductor(tmp_path_factory, fleet, tokenizer_dir):
+def conductor(tmp_path_factory, standins, tokenizer_dir):
     c = ConductorProc(tmp_path_factory.mktemp("conductor"), free_port(), [
-        "--prefill", f"p0={fleet.url('p0')}", "18998", "--prefill", f"p1={fleet.url('p1')}",
-        "--decode", f"d0={fleet.url('d0')}", "--tokenizer", tokenizer_dir]).start()
+        "--prefill", f"p0={standins.url('p0')}", "18998", "--prefill", f"p1={standins.url('p1')}",
+        "--decode", f"d0={standins.url('d0')}", "--tokenizer", tokenizer_dir]).start()
     yield c
     c.stop()
 
@@ -39,8 +29,8 @@ def messages(seed: int, turns: int = 0) -> list:
     return msgs
 
 
-def test_prefill_and_decode_paired_with_bootstrap_info(conductor, fleet):
-    served = {n: fleet.stats(n)["paired"] for n in ("p0", "p1", "d0")}
+def test_prefill_and_decode_paired_with_bootstrap_info(conductor, standins):
+    served = {n: standins.stats(n)["paired"] for n in ("p0", "p1", "d0")}
     body = {"messages": messages(1), "max_tokens": 5, "stream": True}
     with requests.post(conductor.url + "/v1/chat/completions", json=body, stream=True, timeout=30,
                        headers={"X-Standin-Tag": "pd-1"}) as r:
@@ -48,16 +38,16 @@ def test_prefill_and_decode_paired_with_bootstrap_info(conductor, fleet):
         got = b"".join(r.iter_content(None))
         prefill = r.headers["X-Conductor-Worker"]
     assert prefill in ("p0", "p1") and r.headers["X-Conductor-Decode-Worker"] == "d0"
-    assert got == fleet.sent("d0", "pd-1")          # the client reads the decode worker's bytes
+    assert got == standins.sent("d0", "pd-1")          # the client reads the decode worker's bytes
     assert got.count(b'"content"') >= 5
     # both named the same bootstrap room (a stand-in refuses a PD request without one), and
     # the decode worker answered once that room's prefill had run, as SGLang's transfer does
-    after = {n: fleet.stats(n)["paired"] for n in ("p0", "p1", "d0")}
+    after = {n: standins.stats(n)["paired"] for n in ("p0", "p1", "d0")}
     assert after["d0"] == served["d0"] + 1 and after[prefill] == served[prefill] + 1
-    assert fleet.stats(prefill)["gpu_pages"] > 0
+    assert standins.stats(prefill)["gpu_pages"] > 0
 
 
-def test_the_prefill_worker_holding_the_prefix_wins(conductor, fleet):
+def test_the_prefill_worker_holding_the_prefix_wins(conductor, standins):
     first = conductor.post("/v1/chat/completions", {"messages": messages(2), "max_tokens": 3})
     assert first.status_code == 200, first.text
     holder = first.headers["X-Conductor-Worker"]
@@ -70,7 +60,7 @@ def test_the_prefill_worker_holding_the_prefix_wins(conductor, fleet):
     assert "d0" not in conductor.post("/query", {"token_ids": [1] * 40}).json()["default"]
 
 
-def test_no_decode_worker_is_503(conductor, fleet):
+def test_no_decode_worker_is_503(conductor, standins):
     assert conductor.admin("DELETE", "/workers/d0").status_code == 200
     try:
         r = conductor.post("/v1/chat/completions", {"messages": messages(3), "max_tokens": 3})
@@ -78,6 +68,6 @@ def test_no_decode_worker_is_503(conductor, fleet):
         assert r.json()["error"]["type"] == "service_unavailable"
         assert requests.get(conductor.url + "/ready", timeout=5).status_code == 503
     finally:
-        assert conductor.admin("POST", "/workers", json={"url": fleet.url("d0"), "name": "d0",
+        assert conductor.admin("POST", "/workers", json={"url": standins.url("d0"), "name": "d0",
                                                          "role": "decode"}).ok
     wait_for(lambda: requests.get(conductor.url + "/ready", timeout=5).status_code == 200, 5, "ready again")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from harness import ADMIN_KEY, ConductorProc, StandinFleet, wait_for
+from harness import ADMIN_KEY, ConductorProc, wait_for
 
 from procs import free_port
 
@@ -15,19 +15,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tokenizer_dir):
-    f = StandinFleet(tmp_path_factory.mktemp("fleet"), tokenizer_dir,
-                     [{"name": "w0"}, {"name": "w1"}]).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def conductor(tmp_path_factory, fleet, tokenizer_dir):
+def conductor(tmp_path_factory, standins, tokenizer_dir):
     tmp = tmp_path_factory.mktemp("conductor")
     (tmp / "api.key").write_text(API_KEY)
     c = ConductorProc(tmp, free_port(), [
-        "--worker-urls", f"w0={fleet.url('w0')}", f"w1={fleet.url('w1')}",
+        "--worker-urls", f"w0={standins.url('w0')}", f"w1={standins.url('w1')}",
         "--tokenizer", tokenizer_dir, "--api-key-file", str(tmp / "api.key")],
         env={"HICACHE_MC_CONDUCTOR_MAX_BODY": "1MiB"}).start()
     yield c
@@ -48,7 +40,7 @@ BODIES = {
 
 @pytest.mark.parametrize("path", list(BODIES))
 @pytest.mark.parametrize("stream", [True, False])
-def test_answers_reach_the_client_byte_exact(conductor, fleet, path, stream):
+def test_answers_reach_the_client_byte_exact(conductor, standins, path, stream):
     tag = f"{path.strip('/').replace('/', '-')}-{stream}"
     body = dict(BODIES[path], stream=stream)
     with requests.post(conductor.url + path, json=body, headers={**AUTH, "X-Standin-Tag": tag},
@@ -56,21 +48,21 @@ def test_answers_reach_the_client_byte_exact(conductor, fleet, path, stream):
         assert r.status_code == 200, r.text
         got = b"".join(r.iter_content(chunk_size=None))
         worker = r.headers["X-Conductor-Worker"]
-        assert worker in fleet.workers
+        assert worker in standins.workers
         assert float(r.headers["X-Conductor-Predicted-TTFT"]) > 0
         assert r.headers["Content-Type"].startswith("text/event-stream" if stream else "application/json")
-    assert got == fleet.sent(worker, tag)
+    assert got == standins.sent(worker, tag)
     if stream:
         assert got.endswith(b"data: [DONE]\n\n") and got.count(b"data: ") > 3
 
 
-def test_a_large_answer_passes_whole(conductor, fleet):
+def test_a_large_answer_passes_whole(conductor, standins):
     """An answer of many reads (300 kB; aiohttp hands it over 32-64 kB at a time)."""
     body = chat("a long answer please", standin_pad=300_000)
     r = requests.post(conductor.url + "/v1/chat/completions", json=body,
                       headers={**AUTH, "X-Standin-Tag": "large"}, timeout=30)
     assert r.status_code == 200
-    assert r.content == fleet.sent(r.headers["X-Conductor-Worker"], "large")
+    assert r.content == standins.sent(r.headers["X-Conductor-Worker"], "large")
     assert len(r.content) > 300_000
 
 
@@ -113,7 +105,7 @@ def test_a_prompt_it_cannot_tokenize_is_routed_on_load(conductor):
     assert any(k.startswith("hicache_mc_conductor_unroutable") for k in conductor.metrics())
 
 
-def test_workers_added_and_removed_at_runtime(conductor, fleet):
+def test_workers_added_and_removed_at_runtime(conductor, standins):
     assert requests.get(conductor.url + "/workers", timeout=5).status_code == 401
     assert conductor.admin("DELETE", "/workers/w1").status_code == 200
     assert set(conductor.workers()) == {"w0"}
@@ -121,7 +113,7 @@ def test_workers_added_and_removed_at_runtime(conductor, fleet):
         r = conductor.post("/v1/completions", {"prompt": f"only w0 now {i}", "max_tokens": 2},
                            headers=AUTH)
         assert r.headers["X-Conductor-Worker"] == "w0"
-    r = conductor.admin("POST", "/workers", json={"url": fleet.url("w1"), "name": "w1"})
+    r = conductor.admin("POST", "/workers", json={"url": standins.url("w1"), "name": "w1"})
     assert r.status_code == 200, r.text
     wait_for(lambda: conductor.workers()["w1"]["healthy"], 10, "w1 back in the rotation")
     assert conductor.admin("POST", "/workers", json={"url": "ftp://nowhere"}).status_code == 400

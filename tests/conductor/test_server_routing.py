@@ -7,39 +7,23 @@ import threading
 
 import pytest
 import requests
-from harness import ConductorProc, StandinFleet, wait_for
+from harness import ConductorProc, wait_for
 
 from hicache_mc.conductor.chain import chain
 from hicache_mc.conductor.prompts import PromptTokenizer
-from procs import Store, free_port
+from conftest import L3_NAMESPACE
+from procs import free_port
 from tokenizer import text, words
 
-NAMESPACE = "c0ffee00c0ffee00"
 PAGE = 16
 VOCAB = words()
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    s = Store(tmp_path_factory.mktemp("store")).start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tokenizer_dir, store):
-    f = StandinFleet(tmp_path_factory.mktemp("fleet"), tokenizer_dir, [{"name": "w0"}, {"name": "w1"}],
-                     page_size=PAGE, l3_master=store.master, l3_namespace=NAMESPACE,
-                     l3_bw=10e9, time_scale=20.0).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def conductor(tmp_path_factory, fleet, store, tokenizer_dir):
+def conductor(tmp_path_factory, standins, l3_store, tokenizer_dir):
     c = ConductorProc(tmp_path_factory.mktemp("conductor"), free_port(), [
-        "--worker-urls", f"w0={fleet.url('w0')}", f"w1={fleet.url('w1')}", "--tokenizer", tokenizer_dir,
-        "--l3-master", store.master, "--l3-namespace", NAMESPACE],
+        "--worker-urls", f"r0={standins.url('r0')}", f"r1={standins.url('r1')}", "--tokenizer", tokenizer_dir,
+        "--l3-master", l3_store.master, "--l3-namespace", L3_NAMESPACE],
         env={"HICACHE_MC_CONDUCTOR_L3_BW": "10e9", "HICACHE_MC_CONDUCTOR_KV_BYTES_PER_TOKEN": "131072"}
     ).start()
     yield c
@@ -86,18 +70,18 @@ def test_a_request_goes_to_the_worker_holding_its_prefix(conductor, prompts):
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 1000
 
 
-def test_after_eviction_to_the_l3_the_choice_follows_the_cost_model(conductor, fleet, prompts):
+def test_after_eviction_to_the_l3_the_choice_follows_the_cost_model(conductor, standins, prompts):
     holder = ask(conductor, convo(2)).headers["X-Conductor-Worker"]
-    other = ({"w0", "w1"} - {holder}).pop()
+    other = ({"r0", "r1"} - {holder}).pop()
     pages = len(chain(prompts.chat({"messages": convo(2)}), PAGE).page_hashes)
     wait_for(lambda: query(conductor, prompts, convo(2))[holder]["GPU"] == pages * PAGE, 10,
              "the holder's KV events")
-    fleet.control(holder, "evict")
+    standins.control(holder, "evict")
     wait_for(lambda: all(q["GPU"] == 0 and q["EXTERNAL"] == pages * PAGE
                          for q in query(conductor, prompts, convo(2)).values()), 10,
              "the eviction's events and the L3 view")
     # the holder is busy now (requests sent to it directly); the other is idle
-    busy = [threading.Thread(target=requests.post, args=(fleet.url(holder) + "/v1/completions",),
+    busy = [threading.Thread(target=requests.post, args=(standins.url(holder) + "/v1/completions",),
                              kwargs={"json": {"prompt": text(2000, 100 + i, VOCAB), "max_tokens": 2},
                                      "timeout": 120}) for i in range(2)]
     for t in busy:
@@ -120,7 +104,7 @@ def test_query_answers_per_worker_and_tier(conductor, prompts):
              10, "the holder's KV events")
     full = len(c.page_hashes) * PAGE
     by_tokens = query(conductor, prompts, convo(3))
-    assert set(by_tokens) == {"w0", "w1"}
+    assert set(by_tokens) == {"r0", "r1"}
     assert by_tokens[holder] == {"longest_matched": full, "GPU": full, "CPU": full,
                                  "EXTERNAL": 0, "DP": {"0": full}}
     by_pages = conductor.post("/query_by_hash", {"page_hashes": c.page_hashes}).json()["default"]
