@@ -6,7 +6,7 @@
 #   MODEL=/models/Llama-3.1-8B-Instruct GPUS="0 0" scripts/conductor_gpu.sh
 #
 # Needs: SGLang 0.5.23+ and hicache-mc installed in one environment (pip install ".[sglang]"
-# and ".[conductor]" from this checkout; docs/conductor.md), the model (a local folder, or a
+# and ".[conductor]" from this checkout; docs/conductor-server.md), the model (a local folder, or a
 # Hugging Face name the machine can download). Environment knobs: MODEL, GPUS (one id per
 # server; "0 0" puts both on GPU 0 with half the memory each), BASE_PORT (default 31000),
 # PAGE (64), DRAM (the store's, 8GiB), TURNS (4), CONVERSATIONS (8), WORKDIR (a temp folder).

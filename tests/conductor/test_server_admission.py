@@ -1,7 +1,7 @@
 """Admission under overload, through real HTTP: with early rejection on, a flood the workers
 cannot serve within the TTFT SLO gets 429s (``Retry-After``, an OpenAI-style error body) as
 it arrives, and the requests accepted get their first token within the SLO, give or take the
-prediction error docs/conductor.md states (``PREDICTION_ERROR_S`` here, at this scale)."""
+prediction error docs/conductor-server.md states (``PREDICTION_ERROR_S`` here, at this scale)."""
 from __future__ import annotations
 
 import random
@@ -15,7 +15,7 @@ from harness import ConductorProc, wait_for
 from procs import free_port
 SLO_S = 1.0
 TOLERANCE = 0.1
-# docs/conductor.md, "Admission": accepted requests' TTFT ran at most this far past their
+# docs/conductor-server.md, "Admission": accepted requests' TTFT ran at most this far past their
 # predicted TTFT in the measured runs, on stand-ins 3x slower than the H100 model (about the
 # core's prior, so that a few requests fit it)
 PREDICTION_ERROR_S = 0.5
