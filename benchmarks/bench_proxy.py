@@ -1,4 +1,5 @@
 """Which async HTTP stack to build the Conductor's proxy on: aiohttp, or FastAPI + uvicorn + httpx.
+Also uvicorn's fast server with aiohttp's client (Starlette): whether the faster halves combine.
 
     .venv/bin/python benchmarks/bench_proxy.py [--seconds 5] [--quick]
 
@@ -30,7 +31,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import free_port, pct, table, write_json  # noqa: E402
 
-STACKS = ["aiohttp", "aiohttp+uvloop", "fastapi+uvicorn+httpx", "fastapi+uvicorn[uvloop,httptools]+httpx"]
+STACKS = ["aiohttp", "aiohttp+uvloop", "fastapi+uvicorn+httpx", "fastapi+uvicorn[uvloop,httptools]+httpx",
+          "starlette+uvicorn[uvloop,httptools]+aiohttp-client"]
 REPLY = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
                     "choices": [{"index": 0, "text": "x" * 512, "finish_reason": "length"}],
                     "usage": {"prompt_tokens": 8192, "completion_tokens": 128}}).encode()
@@ -141,6 +143,39 @@ def serve_fastapi(port: int, upstream: str, fast: bool) -> None:
                 loop="uvloop" if fast else "asyncio", http="httptools" if fast else "h11")
 
 
+def serve_starlette_aiohttp(port: int, upstream: str) -> None:
+    """uvicorn's server (uvloop, httptools) with aiohttp's client: each side's faster half."""
+    import uvicorn
+    from aiohttp import ClientSession, TCPConnector
+    from starlette.applications import Starlette
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    session = []
+
+    async def proxy(request):
+        if not session:
+            session.append(ClientSession(connector=TCPConnector(limit=0)))
+        body = await request.body()
+        up = await session[0].post(upstream + request.url.path, data=body,
+                                   headers={"Content-Type": "application/json"})
+        if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+            async def relay():
+                try:
+                    async for chunk in up.content.iter_any():
+                        yield chunk
+                finally:
+                    up.release()
+            return StreamingResponse(relay(), status_code=up.status, media_type="text/event-stream")
+        data = await up.read()
+        up.release()
+        return Response(content=data, status_code=up.status, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/completions", proxy, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False,
+                loop="uvloop", http="httptools")
+
+
 def serve(stack: str, port: int, upstream: str) -> None:
     os.sched_setaffinity(0, {0})          # the proxy gets one core; the rest run elsewhere
     if stack.startswith("aiohttp"):
@@ -148,6 +183,8 @@ def serve(stack: str, port: int, upstream: str) -> None:
             import uvloop
             uvloop.install()
         serve_aiohttp(port, upstream)
+    elif stack.startswith("starlette"):
+        serve_starlette_aiohttp(port, upstream)
     else:
         serve_fastapi(port, upstream, fast="uvloop" in stack)
 
