@@ -198,12 +198,15 @@ def test_a_server_killed_mid_run(conductor, fleet):
                           json={"messages": convo(61), **long})
         results["whole"] = (r.status_code, r.headers.get("X-Conductor-Worker"), r.content)
     threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
-    for t in threads:
-        t.start()
+    # the stream first: b runs whichever it got first, and the other waits in its queue
+    # (b's KV pool, 4096 tokens, holds one of them at a time)
+    threads[0].start()
+    wait_for(lambda: "stream" in results, 120, "b streaming an answer")
+    threads[1].start()
+
     def both_at_b():
         load = fleet.by_name["b"].loads()["loads"][0]
-        return "stream" in results and load["num_running_reqs"] + load["num_waiting_reqs"] == 2
-    # b's KV pool (4096 tokens) holds one of them at a time: the other waits in its queue
+        return load["num_running_reqs"] + load["num_waiting_reqs"] == 2
     wait_for(both_at_b, 120, "b streaming one answer, the other request queued")
     a = fleet.by_name["a"]
     assert conductor.admin("POST", "/workers", json={"url": a.url, "name": "a",
