@@ -1,0 +1,112 @@
+"""Why a connection is down, from ZeroMQ's monitor events: a dead peer is not a wrong token.
+
+Every connecting socket (a client's channel, a node's link to its master, a residency view's or
+KV-event bridge's subscription) watches its monitor through a ``Link``. The events of one
+connection attempt, measured with pyzmq 27 / libzmq 4.3 on loopback:
+
+    nothing listens                   CONNECT_DELAYED, CLOSED
+    the server has a token and this   CONNECTED, HANDSHAKE_FAILED_PROTOCOL (mechanism mismatch)
+      side none, or the reverse         or HANDSHAKE_FAILED_NO_DETAIL (EPIPE: the server closed
+                                        first; 7 of 8 runs for a client with a token), DISCONNECTED
+    another cluster's token or        CONNECTED, HANDSHAKE_FAILED_NO_DETAIL (EPIPE), DISCONNECTED
+      credential                        (the server cannot open the CURVE hello and closes)
+    the token is right                CONNECTED, HANDSHAKE_SUCCEEDED
+    the peer exits later              DISCONNECTED
+
+so ``Link.down()`` names the cause in one line (``Down``): a refused connection, a lost one, a
+token missing on one side, a token or credential of another cluster, or a handshake cut short
+(something that is not a hicache-mc port, or a forwarder in the way).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+_ids = itertools.count(1)
+
+EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED |
+          zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class Down(enum.Enum):
+    """Why a connection is down. ``misconfigured`` ones will not mend by retrying."""
+    REFUSED = "connection refused or timed out (is it running, and is the port open to this host?)"
+    LOST = "connection lost"
+    NO_TOKEN = ("it requires a token and this process has none (set token: HICACHE_MC_TOKEN, "
+                "--token-file, or a credential from 'hicache-mc credential')")
+    UNEXPECTED_TOKEN = ("it runs without a token and this process has one (give it the same "
+                        "token, or drop this process's)")
+    WRONG_TOKEN = ("it refused this process's token or credential: a wrong token, a credential "
+                   "issued from another cluster's token, or a server that runs without a token")
+    CUT = ("the connection closed during the handshake (not a hicache-mc port, or a forwarder "
+           "that does not pass ZeroMQ through)")
+
+    @property
+    def misconfigured(self) -> bool:
+        return self in (Down.NO_TOKEN, Down.UNEXPECTED_TOKEN, Down.WRONG_TOKEN, Down.CUT)
+
+
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR receiving ``sock``'s ``events``, named uniquely: pyzmq names it by ``sock.FD``, which
+    a new socket of the shared context reuses while a collected one's name is still bound."""
+    return sock.get_monitor_socket(events, f"inproc://hicache-mc-monitor-{next(_ids)}")
+
+
+class Link:
+    """The monitor of one connecting socket, read for why its connection is down. Create it
+    before ``connect``; read it from the socket's thread; ``close`` before closing the socket."""
+
+    def __init__(self, sock: zmq.Socket, has_credential: bool):
+        self.sock = sock
+        self.events = monitor(sock, EVENTS)
+        self.has_credential = has_credential
+        self.up = False             # the last connection finished its handshake
+        self.last: Optional[Down] = None    # why the last connection went down (sticky)
+        self._connected = False     # a TCP connection is open, its handshake not done
+
+    def down(self) -> Optional[Down]:
+        """Read the events so far: why the connection is down now, or None while it may be up
+        (connecting, or connected). Each event that ends a connection is reported once."""
+        found = None
+        while self.events.poll(0):
+            event = parse_monitor_message(self.events.recv_multipart())
+            why = self._apply(event["event"], event["value"])
+            if why is not None:
+                self.last = why
+                found = found or why
+        return found
+
+    def _apply(self, event: int, value: int) -> Optional[Down]:
+        if event == zmq.EVENT_CONNECTED:
+            self._connected = True
+            return None
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up, self._connected = True, False
+            return None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return self._end(Down.UNEXPECTED_TOKEN if self.has_credential else Down.NO_TOKEN)
+        if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            # without a credential the only handshake a hicache-mc server fails is CURVE's
+            return self._end(Down.WRONG_TOKEN if self.has_credential else Down.NO_TOKEN)
+        if event == zmq.EVENT_CLOSED:
+            return self._end(Down.REFUSED)
+        if event == zmq.EVENT_DISCONNECTED:
+            if self.last is not None and not self.up and not self._connected:
+                return None     # the disconnect that follows a failed handshake: said already
+            return self._end(Down.LOST if self.up else Down.CUT)
+        return None
+
+    def _end(self, why: Down) -> Down:
+        self.up = self._connected = False
+        return why
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.events.close(0)
