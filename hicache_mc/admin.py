@@ -10,7 +10,7 @@ import time
 from typing import Optional
 
 from .config import ClientConfig, MasterConfig, load_config
-from .errors import ConfigError, HicacheError
+from .errors import ConfigError, HicacheError, RemoteError
 
 PROBE_NAMESPACE = "hicache-mc-probe"    # wait's probe objects (removed once written)
 
@@ -31,20 +31,35 @@ def call(config: ClientConfig, msg, timeout_s: float, address: str = "", what: s
     """One request to the master (or the node at ``address``); its reply, or a HicacheError
     whose text is the one line the CLI prints."""
     import zmq
-    from .errors import StoreUnavailable
+    from .errors import Misconfigured, StoreUnavailable
     from .rpc import Channel
     address = address or config.master
     ch = Channel(zmq.Context.instance(), address, config.token)     # the one StoreClient uses
     try:
         return ch.call(msg, timeout_s)
+    except Misconfigured as exc:
+        why = str(exc).removeprefix(f"{address}: ")
+        raise Misconfigured(f"{what} at {address} refused this connection: {why}", exc.down) from None
     except StoreUnavailable as exc:
         why = str(exc).removeprefix(f"{address}: ")
         hint = " (is it running? --master, HICACHE_MC_MASTER)" if what == "the master" else ""
         raise StoreUnavailable(f"no answer from {what} at {address}: {why}{hint}") from None
-    except HicacheError as exc:
-        raise HicacheError(f"{what} at {address} refused the request: {exc}") from None
+    except RemoteError as exc:
+        raise HicacheError(f"{what} at {address} refused the request: {exc}"
+                           f"{_role_hint(config) if exc.code == 'forbidden' else ''}") from None
     finally:
         ch.close()
+
+
+def _role_hint(config: ClientConfig) -> str:
+    """What a refusal for the caller's role means, naming the role it holds."""
+    from .auth import credential
+    cred = credential(config.token)
+    if cred is None or cred.role != "client":
+        return ""
+    return (f" (this process holds a client credential of tenant {cred.tenant or '(default)'!r}: "
+            "quotas, node stats and other tenants' keys need an admin credential, from "
+            "'hicache-mc credential --role admin', or the token)")
 
 
 def cmd_stats(args) -> int:

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
+import time
 from typing import Optional
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
+WARN_EVERY_S = 60.0     # a cause that persists is logged again this often
 
 EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED |
           zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL |
@@ -68,6 +72,7 @@ class Link:
         self.up = False             # the last connection finished its handshake
         self.last: Optional[Down] = None    # why the last connection went down (sticky)
         self._connected = False     # a TCP connection is open, its handshake not done
+        self._said: tuple[Optional[Down], float] = (None, 0.0)     # (cause logged, when)
 
     def down(self) -> Optional[Down]:
         """Read the events so far: why the connection is down now, or None while it may be up
@@ -80,6 +85,26 @@ class Link:
                 self.last = why
                 found = found or why
         return found
+
+    @property
+    def problem(self) -> str:
+        """Why the connection is down, "" while its last handshake stands (or none failed yet)."""
+        return "" if self.up or self.last is None else self.last.value
+
+    def check(self, what: str) -> Optional[Down]:
+        """``down()``, logging a cause as ``what`` (e.g. "the master at tcp://...") sees it: a
+        misconfiguration as an error, the rest as warnings; each cause once, and again every
+        WARN_EVERY_S while it persists (a socket that reconnects by itself fails every 100 ms)."""
+        why = self.down()
+        if why is None:
+            return None
+        now = time.monotonic()
+        said, at = self._said
+        if why is not said or now - at >= WARN_EVERY_S:
+            self._said = (why, now)
+            log.log(logging.ERROR if why.misconfigured else logging.WARNING,
+                    "cannot reach %s: %s", what, why.value)
+        return why
 
     def _apply(self, event: int, value: int) -> Optional[Down]:
         if event == zmq.EVENT_CONNECTED:

@@ -5,6 +5,8 @@ import logging
 import threading
 import time
 
+from ..errors import Misconfigured
+
 log = logging.getLogger(__name__)
 
 
@@ -30,8 +32,9 @@ class Circuit:
     def fail(self, exc: Exception) -> None:
         with self.lock:
             self.failures += 1
-            if self.failures == 1:
-                log.warning("store call failed: %s", exc)
+            if self.failures == 1:     # a token problem will not mend: an error, not a warning
+                log.log(logging.ERROR if isinstance(exc, Misconfigured) else logging.WARNING,
+                        "store call failed: %s", exc)
             if self.failures >= self.limit:
                 if self.failures == self.limit:
                     log.warning("%d failures in a row: answering misses for %.1fs", self.limit, self.open_s)

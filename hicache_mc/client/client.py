@@ -13,7 +13,7 @@ import threading
 import time
 from collections import defaultdict
 from itertools import repeat
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 LOCATION_TTL_S = 1.0
 LOCATION_CACHE_MAX = 1 << 16
 FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
+
+
+class Reach(NamedTuple):
+    """What a client finds at its master (``StoreClient.check``)."""
+    nodes: int      # live storage nodes; -1 when the master did not answer
+    why: str        # "" when it answered; else the cause, in one line
 
 
 class StoreClient:
@@ -364,6 +370,16 @@ class StoreClient:
                     self.view.refresh(prefix)
             return removed
         return self._guard(run, 0)
+
+    def check(self) -> Reach:
+        """Ask the master for its stats once, outside the circuit: how many nodes are live, or
+        why it did not answer (a dead master is not a wrong token: ``link.Down``)."""
+        try:
+            stats = self._master(P.StatsRequest(), self._deadline()).stats
+        except (HicacheError, zmq.ZMQError) as exc:
+            master = self.config.master
+            return Reach(-1, f"the master at {master}: {str(exc).removeprefix(master + ': ')}")
+        return Reach(len(stats.get("nodes", ())), "")
 
     def stats(self) -> dict:
         """Cluster stats from the master plus this client's own counters."""

@@ -64,18 +64,19 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self._check_store()
 
     def _check_store(self) -> None:
-        """Say loudly at start-up when the store cannot serve (SGLang runs on regardless)."""
+        """Say loudly at start-up when the store cannot serve, and why (SGLang runs on
+        regardless)."""
         try:
-            cluster = self.client.stats()["cluster"]
-        except Exception:           # never into SGLang
-            cluster = None
-        if cluster is None or not cluster.get("nodes"):
+            reach = self.client.check()
+        except Exception as exc:           # never into SGLang
+            reach = None, f"{type(exc).__name__}: {exc}"
+        nodes, why = reach
+        if nodes is None or nodes <= 0:
             logger.warning(
-                "hicache_mc: NO L3 CACHE: the master at %s %s; every L3 lookup misses and every "
-                "backup is dropped until it does (is `hicache-mc serve` running? check `master` in "
-                "--hicache-storage-backend-extra-config or HICACHE_MC_MASTER)",
-                self.client_config.master,
-                "does not answer" if cluster is None else "has no live storage node")
+                "hicache_mc: NO L3 CACHE: %s; every L3 lookup misses and every backup is dropped "
+                "until that changes (master: `master` in --hicache-storage-backend-extra-config or "
+                "HICACHE_MC_MASTER; token: `token` or HICACHE_MC_TOKEN)",
+                why or f"the master at {self.client_config.master} has no live storage node")
 
     # ------------------------------------------------------------------ set-up
 
