@@ -3,8 +3,10 @@
 Thread-safe: each thread gets its own sockets (ZeroMQ sockets are not thread-safe); the
 transports, the node table and the counters are shared. Every call runs under one deadline.
 Store failures never raise: they are misses (get/exists) or False (put). After
-``circuit_failures`` failures in a row the circuit opens and calls answer misses at once for
-``circuit_open_s``; the next call after that is a probe, and a success closes the circuit.
+``circuit_failures`` failures in a row a circuit opens and calls answer misses at once for
+``circuit_open_s``; the next call after that is a probe, and a success closes the circuit. The
+master has one circuit and each node its own: a dead node costs the objects it holds or was
+to take, never the rest of a call.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..transport.te import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 from .batch import check_batch, check_keys
-from .circuit import Circuit
+from .circuit import Circuit, NodeCircuits
 from .view import ResidencyView
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,9 @@ class StoreClient:
         for t in (self.tcp, self.shm, self.te):
             t.committed = self._note_commit
         self._warned: set[str] = set()
-        self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
+        self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s,
+                               "the master")
+        self.node_circuits = NodeCircuits(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
         # "auto" is on where the SGLang backend asks for it (it replaces the setting)
         self.view = ResidencyView(self.ctx, cfg.master, cfg.token, cfg.timeout_s) \
@@ -287,11 +291,35 @@ class StoreClient:
         result = [False] * len(keys)
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
-            ok = self.transport_for(node).read(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                               [sizes[i] for i in idx], deadline)
+            ok = self._on_node(node, len(idx), lambda t: t.read(
+                node, [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx], deadline))
             for i, good in zip(idx, ok):
                 result[i] = good
         return result
+
+    def _on_node(self, node: P.NodeInfo, n: int, move) -> list[bool]:
+        """``move(transport)`` for ``n`` objects on one node, under that node's circuit: a node
+        that fails costs its own objects (misses, False), never the rest of the call."""
+        circuit = self.node_circuits.of(node.node_id)
+        if not circuit.allow():
+            self.counters["circuit_rejects"] += 1
+            return [False] * n
+        try:
+            ok = move(self.transport_for(node))
+        except RemoteError as exc:
+            if exc.code == "forbidden":     # a refusal of the keys, not a failing node
+                raise
+            self._node_failed(circuit, exc)
+            return [False] * n
+        except (HicacheError, zmq.ZMQError, OSError) as exc:
+            self._node_failed(circuit, exc)
+            return [False] * n
+        circuit.ok()
+        return ok
+
+    def _node_failed(self, circuit: Circuit, exc: Exception) -> None:
+        self.counters["node_errors"] += 1
+        circuit.fail(exc)
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Store each object from ``ptrs[i]``; True once stored (or stored already). A stored
@@ -320,8 +348,8 @@ class StoreClient:
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
             sub_sizes = [sizes[i] for i in idx]
-            ok = self.transport_for(node).write(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                                sub_sizes, deadline)
+            ok = self._on_node(node, len(idx), lambda t: t.write(
+                node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline))
             for i, good in zip(idx, ok):
                 result[i] = good
             self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
@@ -385,7 +413,7 @@ class StoreClient:
         """Cluster stats from the master plus this client's own counters."""
         cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
         own = dict(self.counters, checksum_failures=self.checks.failures,
-                   circuit_opens=self.circuit.opens,
+                   circuit_opens=self.circuit.opens + self.node_circuits.opens,
                    **(self.view.counters if self.view is not None else {}),
                    **{f"te_{k}": v for k, v in self.te.counters.items()})
         return {"cluster": cluster, "client": own}

@@ -1,0 +1,84 @@
+"""Losing one node costs what it holds, never the client's calls to the other nodes; a node that
+missed a heartbeat takes no new objects."""
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+
+from hicache_mc import protocol as P
+from hicache_mc.client import StoreClient
+from procs import Cluster, request
+
+KiB = 1 << 10
+
+
+def holders(c: Cluster, keys: list[str]) -> list[str]:
+    """The node id the master names for each key ("" where it has none)."""
+    reply = request(c.master, P.LocateRequest(keys))
+    return [e[0] if e else "" for e in reply.located()]
+
+
+def node_ids(c: Cluster) -> list[str]:
+    """The nodes' ids, in the order they were added (each was waited for before the next)."""
+    by_address = {n["address"]: n["node_id"] for n in c.stats()["nodes"]}
+    return [by_address[p.address] for p in c.nodes]
+
+
+def two_nodes(tmp_path, heartbeat_s: float, liveness: int) -> Cluster:
+    c = Cluster(tmp_path, heartbeat_s=heartbeat_s, liveness=liveness)
+    c.start_master()
+    for n in (1, 2):
+        c.add_node(dram="64MiB")
+        c.wait_nodes(n)
+    return c
+
+
+def test_a_dead_node_does_not_stop_a_clients_writes_to_the_others(tmp_path):
+    c = two_nodes(tmp_path, heartbeat_s=0.2, liveness=3)
+    page = np.arange(64 * KiB, dtype=np.uint8)
+    ptr = page.ctypes.data
+    try:
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0, circuit_failures=2,
+                         circuit_open_s=30.0) as s:
+            keys = [f"loss/{i}" for i in range(32)]
+            for k in keys:          # one at a time: each lands on the node with most room
+                assert s.batch_put_from([k], [ptr], [page.nbytes]) == [True]
+            a, b = node_ids(c)
+            on_a = [k for k, h in zip(keys, holders(c, keys)) if h == a]
+            assert on_a and len(on_a) < len(keys), "placement put everything on one node"
+            c.nodes[0].kill(signal.SIGKILL)
+            for _ in range(2):      # two failures open node a's circuit (for 30 s)
+                assert s.batch_get_into(on_a[:1], [ptr], [page.nbytes]) == [False]
+            c.wait_nodes(1)         # the master has dropped a: it places on b only
+            fresh = [f"loss/new{i}" for i in range(8)]
+            assert s.batch_put_from(fresh, [ptr] * 8, [page.nbytes] * 8) == [True] * 8
+            assert set(holders(c, fresh)) == {b}
+            assert s.node_circuits.of(a).opens == 1
+            on_b = [k for k in keys if k not in on_a]
+            assert s.batch_get_into(on_b, [ptr] * len(on_b), [page.nbytes] * len(on_b)) == \
+                [True] * len(on_b)
+    finally:
+        c.stop()
+
+
+def test_the_master_stops_placing_on_a_node_that_missed_a_heartbeat(tmp_path):
+    c = two_nodes(tmp_path, heartbeat_s=0.25, liveness=40)     # expired only after 10 s
+    page = np.arange(64 * KiB, dtype=np.uint8)
+    try:
+        a, b = node_ids(c)
+        c.nodes[0].pause()
+        end = time.monotonic() + 20
+        while next(n["age_s"] for n in c.stats()["nodes"] if n["node_id"] == a) < 0.5:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0) as s:
+            keys = [f"missed/{i}" for i in range(16)]
+            for k in keys:
+                assert s.batch_put_from([k], [page.ctypes.data], [page.nbytes]) == [True], k
+        assert set(holders(c, keys)) == {b}
+        assert {n["node_id"] for n in c.stats()["nodes"]} == {a, b}, "a expired: the test proves nothing"
+    finally:
+        c.nodes[0].kill(signal.SIGCONT)
+        c.stop()
