@@ -29,11 +29,18 @@ class NodeState:
         return self.info.capacity - used - self.planned
 
 
+# A node whose heartbeat is this many intervals old has missed one: it takes no new objects,
+# though what it holds is still looked up until it expires (interval x liveness). Half an
+# interval of slack: a loaded node's loop runs its heartbeat a little late.
+MISSED_BEAT = 1.5
+
+
 class NodeRegistry:
     """Live nodes. A node silent for ``interval * liveness`` seconds is expired."""
 
     def __init__(self, interval_s: float, liveness: int):
         self.expiry_s = interval_s * liveness
+        self.missed_s = interval_s * MISSED_BEAT
         self.nodes: dict[str, NodeState] = {}
 
     def upsert(self, info: NodeInfo, slot: int, ident: bytes = b"") -> NodeState:
@@ -64,12 +71,15 @@ class NodeRegistry:
         return {st.slot for st in self.nodes.values()}
 
     def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
-        """A node per object: the writer's own host first, then the most free space.
+        """A node per object: the writer's own host first, then the most free space; a node
+        that missed its last heartbeat only when every node did.
 
         Within the candidate set each object goes to the node with the most estimated free
         space, so one batch spreads over equal nodes. None where no live node exists.
         """
-        everyone = list(self.nodes.values())
+        now = time.monotonic()
+        everyone = [st for st in self.nodes.values() if now - st.last_seen <= self.missed_s] \
+            or list(self.nodes.values())     # (every node late: a loaded host, not a dead one)
         local = [st for st in everyone if st.info.host == host]
         only = local or everyone
         if len(only) == 1 and only[0].free >= sum(sizes):   # the usual batch: all in one place
