@@ -1,4 +1,4 @@
-"""Node membership (heartbeat x liveness expiry) and placement."""
+"""Node membership: heartbeat x liveness expiry, and which nodes may take new objects."""
 from __future__ import annotations
 
 import time
@@ -70,30 +70,19 @@ class NodeRegistry:
     def live_slots(self) -> set[int]:
         return {st.slot for st in self.nodes.values()}
 
-    def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
-        """A node per object: the writer's own host first, then the most free space; a node
-        that missed its last heartbeat only when every node did.
+    def reachable(self, avoid) -> set[int]:
+        """The live slots but those of the nodes ``avoid`` names (a reader's open circuits)."""
+        return {st.slot for st in self.nodes.values() if st.info.node_id not in avoid} \
+            if avoid else self.live_slots()
 
-        Within the candidate set each object goes to the node with the most estimated free
-        space, so one batch spreads over equal nodes. None where no live node exists.
-        """
+    def takers(self, avoid) -> list[NodeState]:
+        """The nodes that may take new objects: live, not in ``avoid``, and not late with a
+        heartbeat (unless every one of them is: a loaded host, not dead nodes)."""
         now = time.monotonic()
-        everyone = [st for st in self.nodes.values() if now - st.last_seen <= self.missed_s] \
-            or list(self.nodes.values())     # (every node late: a loaded host, not a dead one)
-        local = [st for st in everyone if st.info.host == host]
-        only = local or everyone
-        if len(only) == 1 and only[0].free >= sum(sizes):   # the usual batch: all in one place
-            only[0].planned += sum(sizes)
-            return [only[0].info.node_id] * len(sizes)
-        free = {st.info.node_id: st.free for st in everyone}     # kept current as we place
-        result: list[Optional[str]] = []
-        for size in sizes:
-            pool = local if any(free[st.info.node_id] >= size for st in local) else everyone
-            if not pool:
-                result.append(None)
-                continue
-            best = pool[0] if len(pool) == 1 else max(pool, key=lambda st: free[st.info.node_id])
-            best.planned += size
-            free[best.info.node_id] -= size
-            result.append(best.info.node_id)
-        return result
+        usable = [st for st in self.nodes.values() if st.info.node_id not in avoid]
+        return [st for st in usable if now - st.last_seen <= self.missed_s] or usable
+
+    def slots_on(self, host: str) -> frozenset:
+        """The slots of the live nodes on ``host`` (a reader's own: copies there first)."""
+        return frozenset(st.slot for st in self.nodes.values() if st.info.host == host) \
+            if host else frozenset()

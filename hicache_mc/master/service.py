@@ -18,6 +18,7 @@ from ..metrics import histogram_family
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .publisher import Publisher
+from . import placement
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class MasterService(Service):
         self.slots = NodeSlots()
         self.index = KeyIndex()
         self.registry = NodeRegistry(config.heartbeat_interval_s, config.liveness)
+        self.branches = placement.Branches()    # parents of recent Places: chains that branched there
         self.counters = {"exists_calls": 0, "locate_calls": 0, "place_calls": 0,
-                         "hits": 0, "misses": 0, "placed": 0, "deduplicated": 0,
+                         "hits": 0, "misses": 0, "placed": 0, "copies_placed": 0, "deduplicated": 0,
                          "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0}
         self._next_expiry = 0.0
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
@@ -140,19 +142,20 @@ class MasterService(Service):
         if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
             return None
         self.counters["exists_calls"] += 1
-        found, where = self._locate(msg.keys, stop_at_miss=True)
+        found, where = self._locate(msg.keys, stop_at_miss=True, near=msg.near, avoid=msg.avoid)
         # the probe's run is what a get will read (it skips Locate): count it like Locate does
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
         self._count_namespaces(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
         return P.ExistsReply(found, *where)
 
-    def _locate(self, keys: list[str], stop_at_miss: bool):
+    def _locate(self, keys: list[str], stop_at_miss: bool, near: str = "", avoid=()):
         """(how many keys were found, [held_by, holders, sizes, nodes] as in
         ``P.Locations``). With ``stop_at_miss`` only the leading run is located. The hot path
-        of every probe: column-wise, in comprehensions rather than calls per key."""
-        live = self.registry.live_slots()
-        values = self.index.get_many(keys)
+        of every probe: column-wise, in comprehensions rather than calls per key. A key with
+        copies is located on a live one the reader does not ``avoid``, on its host first."""
+        live = self.registry.reachable(avoid)
+        values = self.index.get_many(keys, live, self.registry.slots_on(near))
         slots = [-1 if v is None else v >> 104 for v in values]
         on_live = list(map(live.__contains__, slots))
         if stop_at_miss:
@@ -180,7 +183,7 @@ class MasterService(Service):
             return None
         self.counters["exists_calls"] += 1
         live = self.registry.live_slots()
-        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys])
+        return P.ContainsReply([self.index.held(k, live) for k in msg.keys])
 
     def on_LocateRequest(self, msg: P.LocateRequest, ident, req_id, fenced=False):
         if not fenced:
@@ -188,7 +191,7 @@ class MasterService(Service):
         if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
             return None
         self.counters["locate_calls"] += 1
-        found, where = self._locate(msg.keys, stop_at_miss=False)
+        found, where = self._locate(msg.keys, stop_at_miss=False, near=msg.near, avoid=msg.avoid)
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
         self._count_namespaces(msg.keys, [h >= 0 for h in where[1]])
@@ -229,18 +232,13 @@ class MasterService(Service):
             return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes")
         if any(size < 0 for size in msg.sizes):
             return P.ErrorReply("bad_request", "Place: sizes must be >= 0")
-        self.check_tenant(msg.keys)
+        self.check_tenant(msg.keys + [msg.parent] if msg.parent else msg.keys)
         self.counters["place_calls"] += 1
-        live = self.registry.live_slots()
-        todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
-        chosen = self.registry.place([msg.sizes[i] for i in todo], msg.host)
-        targets: list = [None] * len(msg.keys)
-        for i, node_id in zip(todo, chosen):
-            targets[i] = node_id if node_id is not None else ""
-        nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
-        self.counters["placed"] += len(todo)
-        self.counters["deduplicated"] += len(msg.keys) - len(todo)
-        return P.PlaceReply(targets, nodes)
+        ask = placement.ask_of(msg, self.index, self.registry, self.slots, self.branches)
+        reply, counts = placement.answer(ask, placement.place(self.registry, ask), self.registry)
+        for name, n in counts._asdict().items():
+            self.counters[name] += n
+        return reply
 
     def on_StatsRequest(self, msg, ident, req_id):
         now = time.monotonic()
