@@ -177,9 +177,15 @@ class ClientConfig:
     # up to date by the master's publisher: on | off | auto (on in the SGLang backend, off in a
     # plain StoreClient)
     view: str = "auto"
+    # copies of the hot keys of a put (its Chain says how many, from the first: a shared
+    # prompt, a chain's first pages) and, with replicate_reads, of every key this client reads
+    # (made from the bytes it read): a node's loss then costs no hit on them (1 = one copy)
+    replicas: int = 1
+    replicate_reads: bool = False
 
     def __post_init__(self):
         from .auth import credential
+        from .limits import MAX_REPLICAS
         object.__setattr__(self, "master", master_address(self.master))
         try:
             credential(self.token)
@@ -196,6 +202,8 @@ class ClientConfig:
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(f"replicas: expected 1..{MAX_REPLICAS}, got {self.replicas}")
 
 
 def master_address(value: str) -> str:

@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from itertools import repeat
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -30,17 +29,12 @@ from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 from .batch import check_batch, check_keys
 from .circuit import Circuit, NodeCircuits
+from .fences import Fences
+from .locations import Locations
 from .view import ResidencyView
+from .writes import Copied, WritePath
 
 log = logging.getLogger(__name__)
-
-# Locations an Exists returned serve the get that usually follows (SGLang: prefetch probe, then
-# the I/O thread's read), saving one master round trip. Brief, because an object may be evicted
-# or moved meanwhile: then the node answers "missing" and the read is a miss, as it would be.
-LOCATION_TTL_S = 1.0
-LOCATION_CACHE_MAX = 1 << 16
-FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
-
 
 class Reach(NamedTuple):
     """What a client finds at its master (``StoreClient.check``)."""
@@ -48,7 +42,19 @@ class Reach(NamedTuple):
     why: str        # "" when it answered; else the cause, in one line
 
 
-class StoreClient:
+class OnNode(NamedTuple):
+    """A call's share on one node."""
+    ok: list[bool]      # per object: read (written)
+    failed: bool        # the node failed, or its circuit is open: not a plain miss
+
+
+class Failed(NamedTuple):
+    """The part of a read that met failing nodes."""
+    keys: list[int]     # indices of the keys they held
+    nodes: list[str]
+
+
+class StoreClient(WritePath):
     """A client of one hicache-mc cluster. ``StoreClient(master=..., **ClientConfig fields)``."""
 
     def __init__(self, master: Optional[str] = None, *, config: Optional[ClientConfig] = None,
@@ -64,7 +70,7 @@ class StoreClient:
         self._channels_lock = threading.Lock()
         self._nodes: dict[str, P.NodeInfo] = {}
         self._node_records: dict[str, dict] = {}
-        self._where: dict[str, tuple[float, tuple]] = {}  # key -> (expiry, location) from Exists
+        self._where = Locations()       # from Exists, for the get that follows
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -75,16 +81,15 @@ class StoreClient:
                                     device=cfg.te_device, metadata=cfg.te_metadata,
                                     hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
                                     timeout_s=cfg.timeout_s)
-        # node id -> (until, [segment, seq]): this client's latest commit on each node, named
-        # in its lookups so the master answers them only after applying it (read-your-writes)
-        self._fences: dict[str, tuple[float, list]] = {}
+        self.fences = Fences()          # read-your-writes (client/fences.py)
         for t in (self.tcp, self.shm, self.te):
-            t.committed = self._note_commit
+            t.committed = self.fences.committed
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s,
                                "the master")
         self.node_circuits = NodeCircuits(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
+        self.copied = Copied()      # keys whose copies this client asked for (replicate_reads)
         # "auto" is on where the SGLang backend asks for it (it replaces the setting)
         self.view = ResidencyView(self.ctx, cfg.master, cfg.token, cfg.timeout_s) \
             if cfg.view == "on" else None
@@ -103,25 +108,6 @@ class StoreClient:
             with self._channels_lock:
                 self._channels.append(ch)
         return ch
-
-    def _note_commit(self, node: P.NodeInfo, seq: int) -> None:
-        if seq > 0:
-            mark = [P.segment_of(node), seq]
-            old = self._fences.get(node.node_id)
-            if old is None or old[1][0] != mark[0] or old[1][1] < seq:   # (threads race here)
-                self._fences[node.node_id] = (time.monotonic() + FENCE_TTL_S, mark)
-
-    def _after(self) -> dict:
-        """The fence for a lookup: this client's recent commits, per node."""
-        if not self._fences:
-            return {}
-        now, after = time.monotonic(), {}
-        for node_id, (until, mark) in list(self._fences.items()):
-            if until > now:
-                after[node_id] = mark
-            else:
-                self._fences.pop(node_id, None)
-        return after
 
     def _master(self, msg: P.Message, deadline: float) -> P.Message:
         ch = self._channel(self.config.master)
@@ -230,24 +216,11 @@ class StoreClient:
             count = self.view.exists(keys)
             if count is not None:
                 return count
-        reply = self._master(P.ExistsRequest(keys, self._after()), self._deadline())
+        reply = self._master(P.ExistsRequest(keys, self.fences.after(), self.host,
+                                             self.node_circuits.open_ids()), self._deadline())
         self._learn(reply.nodes)
-        if len(self._where) > LOCATION_CACHE_MAX:
-            self._where.clear()
-        self._where.update(zip(keys, zip(repeat(time.monotonic() + LOCATION_TTL_S), reply.located())))
+        self._where.keep(keys, reply.located())
         return reply.count
-
-    def _cached_locations(self, keys: list[str]) -> Optional[list]:
-        """The entries an Exists just returned for all of ``keys``, or None (then Locate)."""
-        now, where = time.monotonic(), self._where
-        entries = []
-        for key in keys:
-            hit = where.pop(key, None)
-            if hit is None or hit[0] < now:
-                return None
-            entries.append(hit[1])
-        self.counters["locate_saved"] += 1
-        return entries
 
     def batch_contains(self, keys: Sequence[str]) -> list[bool]:
         """Per key: is it stored? (``batch_exists`` answers the leading run only.)"""
@@ -257,7 +230,7 @@ class StoreClient:
         def run():
             found = self.view.contains(keys) if self.view is not None else None
             if found is None:
-                found = list(self._master(P.ContainsRequest(keys, self._after()),
+                found = list(self._master(P.ContainsRequest(keys, self.fences.after()),
                                           self._deadline()).present)
             return found
         return self._guard(run, [False] * len(keys))
@@ -275,87 +248,76 @@ class StoreClient:
 
     def _get(self, keys, ptrs, sizes) -> list[bool]:
         """Where the keys are (from the Exists just made, else a Locate), then per node a
-        Lease, the copy and a Release (the transport's ``read``)."""
+        Lease, the copy and a Release (the transport's ``read``). Keys on a node that fails
+        meanwhile are located once more, elsewhere: a copy on a live node serves them."""
         if not keys:
             return []
         deadline = self._deadline()
-        entries = self._cached_locations(keys)
-        if entries is None:
-            located = self._master(P.LocateRequest(keys, self._after()), deadline)
-            self._learn(located.nodes)
-            entries = located.located()
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i, entry in enumerate(entries):
-            if entry and entry[1] == sizes[i]:
-                by_node[entry[0]].append(i)
+        entries = self._where.take(keys, self.node_circuits.open_ids())
+        if entries is not None:
+            self.counters["locate_saved"] += 1
+        else:
+            entries = self._locate(keys, deadline)
         result = [False] * len(keys)
-        for node_id, idx in by_node.items():
-            node = self._nodes[node_id]
-            ok = self._on_node(node, len(idx), lambda t: t.read(
-                node, [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx], deadline))
-            for i, good in zip(idx, ok):
-                result[i] = good
+        failed = self._read(entries, list(range(len(keys))), keys, ptrs, sizes, deadline, result)
+        if failed.keys:
+            again = failed.keys
+            entries = self._locate([keys[i] for i in again], deadline, failed.nodes)
+            self._read(entries, again, keys, ptrs, sizes, deadline, result)
+        self.copy_reads([i for i, ok in enumerate(result) if ok], keys, ptrs, sizes, deadline)
         return result
 
-    def _on_node(self, node: P.NodeInfo, n: int, move) -> list[bool]:
+    def _locate(self, keys: list[str], deadline: float, down: Sequence[str] = ()) -> list:
+        """Where each key is: (node id, size), or None; never on a node this client cannot
+        reach now (an open circuit, or ``down``), and on this host first."""
+        avoid = [*self.node_circuits.open_ids(), *down]
+        located = self._master(P.LocateRequest(keys, self.fences.after(), self.host, avoid), deadline)
+        self._learn(located.nodes)
+        return located.located()
+
+    def _read(self, entries: list, which: list[int], keys, ptrs, sizes, deadline: float,
+              result: list[bool]) -> "Failed":
+        """Read keys ``which`` (``entries``: their locations, in that order) into ``result``;
+        the keys and the nodes of the nodes that failed."""
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, entry in zip(which, entries):
+            if entry and entry[1] == sizes[i]:
+                by_node[entry[0]].append(i)
+        failed = Failed([], [])
+        for node_id, idx in by_node.items():
+            node = self._nodes[node_id]
+            got = self._on_node(node, len(idx), lambda t: t.read(
+                node, [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx], deadline))
+            for i, good in zip(idx, got.ok):
+                result[i] = good
+            if got.failed:
+                failed.keys.extend(idx)
+                failed.nodes.append(node_id)
+        return failed
+
+    def _on_node(self, node: P.NodeInfo, n: int, move) -> "OnNode":
         """``move(transport)`` for ``n`` objects on one node, under that node's circuit: a node
         that fails costs its own objects (misses, False), never the rest of the call."""
         circuit = self.node_circuits.of(node.node_id)
         if not circuit.allow():
             self.counters["circuit_rejects"] += 1
-            return [False] * n
+            return OnNode([False] * n, True)
         try:
             ok = move(self.transport_for(node))
         except RemoteError as exc:
             if exc.code == "forbidden":     # a refusal of the keys, not a failing node
                 raise
             self._node_failed(circuit, exc)
-            return [False] * n
+            return OnNode([False] * n, True)
         except (HicacheError, zmq.ZMQError, OSError) as exc:
             self._node_failed(circuit, exc)
-            return [False] * n
+            return OnNode([False] * n, True)
         circuit.ok()
-        return ok
+        return OnNode(ok, False)
 
     def _node_failed(self, circuit: Circuit, exc: Exception) -> None:
         self.counters["node_errors"] += 1
         circuit.fail(exc)
-
-    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Store each object from ``ptrs[i]``; True once stored (or stored already). A stored
-        object is visible to this client's next lookup at once, to other clients as soon as
-        the master has the node's report of it (sent before the node answers)."""
-        keys, ptrs, sizes = check_batch(keys, ptrs, sizes)
-        n = len(keys)
-        result = self._guard(lambda: self._put(keys, ptrs, sizes), [False] * n)
-        self.counters["put_keys"] += n
-        self.counters["put_ok"] += sum(result)
-        return result
-
-    def _put(self, keys, ptrs, sizes) -> list[bool]:
-        """The master places the keys (keys stored already are done), then per node a
-        Reserve, the copy and a Commit (the transport's ``write``)."""
-        if not keys:
-            return []
-        deadline = self._deadline()
-        placed = self._master(P.PlaceRequest(keys, sizes, self.host), deadline)
-        self._learn(placed.nodes)
-        result = [t is None for t in placed.targets]      # None: already stored
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i, target in enumerate(placed.targets):
-            if target:
-                by_node[target].append(i)
-        for node_id, idx in by_node.items():
-            node = self._nodes[node_id]
-            sub_sizes = [sizes[i] for i in idx]
-            ok = self._on_node(node, len(idx), lambda t: t.write(
-                node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline))
-            for i, good in zip(idx, ok):
-                result[i] = good
-            self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
-        if self.view is not None:       # answered as stored by the view (read-your-writes)
-            self.view.own.add([k for k, ok in zip(keys, result) if ok])
-        return result
 
     # -------------------------------------------------------------- single-key API
 
@@ -370,7 +332,7 @@ class StoreClient:
     def get(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None on a miss."""
         def locate():
-            entry = self._master(P.LocateRequest([key], self._after()), self._deadline()).located()[0]
+            entry = self._locate([key], self._deadline())[0]
             return entry[1] if entry else -1
         size = self._guard(locate, -1)
         if size < 0:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from hicache_mc import protocol as P
-from hicache_mc.client import StoreClient
+from hicache_mc.client import Chain, StoreClient
 from procs import Cluster, request
 
 KiB = 1 << 10
@@ -81,4 +81,85 @@ def test_the_master_stops_placing_on_a_node_that_missed_a_heartbeat(tmp_path):
         assert {n["node_id"] for n in c.stats()["nodes"]} == {a, b}, "a expired: the test proves nothing"
     finally:
         c.nodes[0].kill(signal.SIGCONT)
+        c.stop()
+
+
+def four_nodes(tmp_path, heartbeat_s: float = 0.2, liveness: int = 3) -> Cluster:
+    c = Cluster(tmp_path, heartbeat_s=heartbeat_s, liveness=liveness)
+    c.start_master()
+    for n in range(1, 5):
+        c.add_node(dram="32MiB")
+        c.wait_nodes(n)
+    return c
+
+
+def put_chain(s: StoreClient, name: str, pages: int, page, calls: int = 2, hot: int = 0) -> list[str]:
+    """A chain of ``pages`` keys written in ``calls`` calls, each naming the key before it."""
+    keys = [f"chain/{name}/{i}" for i in range(pages)]
+    step = -(-pages // calls)
+    for start in range(0, pages, step):
+        part = keys[start:start + step]
+        chain = Chain(keys[start - 1] if start else "", max(0, min(hot - start, len(part))))
+        assert s.batch_put_from(part, [page.ctypes.data] * len(part), [page.nbytes] * len(part),
+                                chain) == [True] * len(part)
+    return keys
+
+
+def test_a_chain_stays_on_one_node_so_a_node_loss_cuts_only_its_own_chains(tmp_path):
+    c = four_nodes(tmp_path)
+    page = np.arange(16 * KiB, dtype=np.uint8)
+    try:
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0) as s:
+            chains = [put_chain(s, f"c{n}", 6, page) for n in range(8)]
+            homes = [set(holders(c, keys)) for keys in chains]
+            assert all(len(h) == 1 for h in homes), homes     # each chain whole on one node
+            assert len(set.union(*homes)) >= 3, homes         # chains spread over the nodes
+            lost = next(iter(homes[0]))
+            c.nodes[node_ids(c).index(lost)].kill(signal.SIGKILL)
+            c.wait_nodes(3)
+            for keys, home in zip(chains, homes):
+                assert s.batch_exists(keys) == (0 if home == {lost} else len(keys))
+    finally:
+        c.stop()
+
+
+def test_hot_keys_have_copies_and_a_reader_gets_them_while_a_holder_is_dead(tmp_path):
+    c = four_nodes(tmp_path, heartbeat_s=0.5, liveness=20)     # the master keeps the dead listed
+    page = np.arange(16 * KiB, dtype=np.uint8)
+    out = np.zeros_like(page)
+    try:
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0, replicas=2) as s:
+            keys = put_chain(s, "hot", 8, page, hot=4)
+            reply = request(c.master, P.StatsRequest())
+            assert reply.stats["copies_placed"] == 4
+            first = holders(c, keys)
+            assert len(set(first[:4])) == 1 and len(set(first[4:])) == 1
+            lost = first[0]
+            c.nodes[node_ids(c).index(lost)].kill(signal.SIGKILL)
+            # the hot half is read from its copies at once; the rest lives if it lived elsewhere
+            got = s.batch_get_into(keys, [out.ctypes.data] * 8, [out.nbytes] * 8)
+            assert got == [True] * 4 + [first[4] != lost] * 4 and (out == page).all()
+            assert lost in {n["node_id"] for n in c.stats()["nodes"]}, "expired: proves nothing"
+    finally:
+        c.stop()
+
+
+def test_a_client_with_replicate_reads_copies_what_it_reads(tmp_path):
+    c = four_nodes(tmp_path)
+    page = np.arange(16 * KiB, dtype=np.uint8)
+    out = np.zeros_like(page)
+    try:
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0) as writer, \
+                StoreClient(c.master, transport="tcp", timeout_s=2.0, replicas=2,
+                            replicate_reads=True) as reader:
+            keys = put_chain(writer, "read", 6, page)
+            home = holders(c, keys)[0]
+            assert reader.batch_get_into(keys, [out.ctypes.data] * 6, [out.nbytes] * 6) == [True] * 6
+            c.wait_objects(12)          # each key on two nodes now
+            c.nodes[node_ids(c).index(home)].kill(signal.SIGKILL)
+            c.wait_nodes(3)
+            out[:] = 0
+            assert writer.batch_get_into(keys, [out.ctypes.data] * 6, [out.nbytes] * 6) == [True] * 6
+            assert (out == page).all()
+    finally:
         c.stop()
