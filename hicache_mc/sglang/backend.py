@@ -19,6 +19,7 @@ list or a count: any failure becomes a miss / ``False``, logged once per episode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, List, Optional
@@ -26,6 +27,7 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
+from ..client import Chain
 from ..direct import kv_namespace
 from ..keys import batch_page_keys
 from .hits_v2 import leading
@@ -56,6 +58,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self._stager: Optional[ChunkStager] = None
         self.side_pools: dict = {}          # v2 side pools by name (hybrid.py)
         self.logical_anchor = False
+        self._said_no_prefix = False        # hot_pages without SGLang's prefix keys: said once
         self.is_writer = bool(getattr(storage_config, "is_storage_writer",
                                       not storage_config.is_mla_model or storage_config.tp_rank == 0))
         if getattr(storage_config, "should_split_heads", False):
@@ -194,10 +197,11 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             start = time.perf_counter()
             ptrs, sizes = self._page_ptrs(n, host_indices)
             skeys = self._keys(keys)
+            chain = self._chain(n, extra_info)
             if self._stager is not None:
-                pages = self._staged_put(keys, skeys, ptrs)
+                pages = self._staged_put(keys, skeys, ptrs, chain)
             else:
-                pages = self._pages(self.client.batch_put_from(skeys, ptrs, sizes), n)
+                pages = self._pages(self.client.batch_put_from(skeys, ptrs, sizes, chain), n)
             self.metrics.record("backup", sum(pages), sum(pages) * self.geometry.page_bytes,
                                 time.perf_counter() - start)
             if all(pages):
@@ -210,13 +214,36 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             self.episodes.failed("batch_set_v1", exc)
             return [False] * n
 
-    def _staged_put(self, keys, skeys, ptrs) -> list[bool]:
+    def _chain(self, n: int, extra_info) -> Chain:
+        """Where a backup's pages sit in their chain: after the last of ``prefix_keys`` (SGLang
+        passes them with ``hicache_storage_pass_prefix_keys``), and how many of them, from the
+        first, are hot (``hot_pages``: a chain's first pages; -1: all)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        prefix = prefix if isinstance(prefix, list) else None   # (very old builds: a tuple)
+        hot_pages = self.settings.hot_pages
+        if hot_pages < 0:
+            hot = n
+        elif hot_pages and prefix is not None:
+            hot = max(0, min(n, hot_pages - len(prefix)))
+        else:
+            hot = 0
+            if hot_pages and not self._said_no_prefix:
+                self._said_no_prefix = True
+                logger.warning("hicache_mc: hot_pages needs SGLang's prefix keys to count a "
+                               "chain's pages: set hicache_storage_pass_prefix_keys true in "
+                               "the extra config; no page is written with copies until then")
+        parent = self._keys(prefix[-1:])[-1] if prefix else ""
+        return Chain(parent, hot * len(self.geometry.parts))
+
+    def _staged_put(self, keys, skeys, ptrs, chain: Chain) -> list[bool]:
         # Gathering costs a copy, so skip the leading run that is already stored (the usual case
         # when a request extends a known prefix): one exists round trip saves the copies.
         n_parts = len(self.geometry.parts)
         stored = min(len(keys), self.client.batch_exists(skeys) // n_parts)
+        if stored:          # the rest follows the last stored page in the chain
+            chain = Chain(skeys[stored * n_parts - 1], max(0, chain.hot - stored * n_parts))
         rest = self._stager.put(skeys[stored * n_parts:], ptrs[stored * n_parts * self.geometry.chunks:],
-                                self.client.batch_put_from)
+                                functools.partial(self.client.batch_put_from, chain=chain))
         return [True] * stored + self._pages(rest, len(keys) - stored)
 
     def _pages(self, ok, n: int) -> list[bool]:
