@@ -32,7 +32,7 @@ from .circuit import Circuit, NodeCircuits
 from .fences import Fences
 from .locations import Locations
 from .view import ResidencyView
-from .writes import Copied, WritePath
+from .writes import Copied, Failed, WritePath
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,6 @@ class OnNode(NamedTuple):
     """A call's share on one node."""
     ok: list[bool]      # per object: read (written)
     failed: bool        # the node failed, or its circuit is open: not a plain miss
-
-
-class Failed(NamedTuple):
-    """The part of a read that met failing nodes."""
-    keys: list[int]     # indices of the keys they held
-    nodes: list[str]
 
 
 class StoreClient(WritePath):

@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 COPIED_MAX = 1 << 16
 
 
+class Failed(NamedTuple):
+    """The part of a call that met failing nodes."""
+    keys: list[int]     # indices of the keys they held or were to take
+    nodes: list[str]
+
+
 class Chain(NamedTuple):
     """A put's keys as part of a prefix chain (see the module docstring)."""
     parent: str = ""        # the key before keys[0] in the chain ("" = its first, or unknown)
@@ -99,22 +105,42 @@ class WritePath:
     def _write(self, keys, ptrs, sizes, chain: Chain, deadline: float) -> list[bool]:
         """The master places the keys (keys stored already are done, though they may want
         copies), then per node a Reserve, the copy and a Commit (the transport's ``write``).
-        A key is stored once any of its writes is."""
-        copies = self.config.replicas
-        placed = self._master(P.PlaceRequest(
-            keys, sizes, self.host, chain.parent, min(chain.hot, len(keys)) if copies > 1 else 0,
-            copies, self.node_circuits.open_ids()), deadline)
-        self._learn(placed.nodes)
-        result = [t is None for t in placed.targets]      # None: already stored
-        for node_id, idx in by_node(placed.targets, placed.copies).items():
-            node = self._nodes[node_id]
-            sub_sizes = [sizes[i] for i in idx]
-            ok = self._on_node(node, len(idx), lambda t: t.write(
-                node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline)).ok
-            for i, good in zip(idx, ok):
-                result[i] = result[i] or good
-            self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
+        A key is stored once any of its writes is. Keys whose node failed meanwhile are placed
+        once more, avoiding it."""
+        result = [False] * len(keys)
+        failed = self._place_and_write(list(range(len(keys))), keys, ptrs, sizes, chain, deadline,
+                                       result, ())
+        again = [i for i in failed.keys if not result[i]]
+        if again:
+            self._place_and_write(again, keys, ptrs, sizes, chain, deadline, result, failed.nodes)
         return result
+
+    def _place_and_write(self, which: list[int], keys, ptrs, sizes, chain: Chain, deadline: float,
+                         result: list[bool], down) -> "Failed":
+        """Place keys ``which`` and write them, into ``result``; the keys and the nodes of the
+        nodes that failed."""
+        copies = self.config.replicas
+        sub = [keys[i] for i in which]
+        hot = len([i for i in which if i < chain.hot]) if copies > 1 else 0
+        placed = self._master(P.PlaceRequest(
+            sub, [sizes[i] for i in which], self.host, chain.parent, hot, copies,
+            [*self.node_circuits.open_ids(), *down]), deadline)
+        self._learn(placed.nodes)
+        for j, target in enumerate(placed.targets):
+            result[which[j]] = result[which[j]] or target is None     # None: already stored
+        failed = Failed([], [])
+        for node_id, idx in by_node(placed.targets, placed.copies).items():
+            idx = [which[j] for j in idx]
+            node, sub_sizes = self._nodes[node_id], [sizes[i] for i in idx]
+            got = self._on_node(node, len(idx), lambda t: t.write(
+                node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline))
+            for i, good in zip(idx, got.ok):
+                result[i] = result[i] or good
+            if got.failed:
+                failed.keys.extend(idx)
+                failed.nodes.append(node_id)
+            self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, got.ok) if g)
+        return failed
 
     def copy_reads(self, good: list[int], keys, ptrs, sizes, deadline: float) -> None:
         """With ``replicate_reads``: copies of keys just read and verified (indices ``good``),

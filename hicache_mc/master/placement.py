@@ -108,9 +108,11 @@ def _home(ask: "Ask", fresh: list[NodeState], free: dict[str, int]) -> list[str]
 
 def ask_of(msg: P.PlaceRequest, index: KeyIndex, registry: NodeRegistry, slots: NodeSlots,
            branches: Branches) -> Ask:
-    """The Place as placement sees it: per key the copies wanted and the live nodes holding it,
-    and where the chain goes on (its parent's live holders, unless it branched there)."""
-    live, ids = registry.live_slots(), slots.ids
+    """The Place as placement sees it: per key the copies wanted and the nodes holding it that
+    could take it now (a copy on a node the writer cannot reach, or one late with its
+    heartbeat, is written again elsewhere), and where the chain goes on (its parent's
+    holders, unless it branched there)."""
+    live, ids = {st.slot for st in registry.takers(msg.avoid)}, slots.ids
     copies = min(msg.replicas, max(1, len(registry.nodes)))
     want = [copies if i < msg.hot else 1 for i in range(len(msg.keys))]
     held = []

@@ -163,3 +163,21 @@ def test_a_client_with_replicate_reads_copies_what_it_reads(tmp_path):
             assert (out == page).all()
     finally:
         c.stop()
+
+
+def test_a_put_whose_node_died_unnoticed_is_placed_again_elsewhere(tmp_path):
+    c = two_nodes(tmp_path, heartbeat_s=5.0, liveness=10)      # the master notices after 7.5 s
+    page = np.arange(16 * KiB, dtype=np.uint8)
+    try:
+        with StoreClient(c.master, transport="tcp", timeout_s=2.0) as s:
+            head = put_chain(s, "died", 4, page, calls=1)
+            home = holders(c, head)[0]
+            c.nodes[node_ids(c).index(home)].kill(signal.SIGKILL)
+            # the continuation follows its parent to the dead node, fails there, goes elsewhere
+            tail = [f"chain/died/{i}" for i in range(4, 8)]
+            assert s.batch_put_from(tail, [page.ctypes.data] * 4, [page.nbytes] * 4,
+                                    Chain(head[-1])) == [True] * 4
+            assert set(holders(c, tail)) == set(node_ids(c)) - {home}
+            assert home in {n["node_id"] for n in c.stats()["nodes"]}, "expired: proves nothing"
+    finally:
+        c.stop()
