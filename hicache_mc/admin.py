@@ -105,6 +105,11 @@ def format_stats(stats: dict) -> str:
                      f"{n.get('evictions', 0):>8}{n.get('ssd_demotions', 0):>8}{n.get('ssd_promotions', 0):>8}"
                      f"{n.get('ssd_compactions', 0):>8}{n.get('ssd_corrupt', 0):>8}{n.get('age_s', 0):>7.1f}")
     lines += [f"DEGRADED {n['node_id']}: {n['degraded']}" for n in stats["nodes"] if n.get("degraded")]
+    lines += [f"LOST {n['node_id']} ({n['address']}): missed its heartbeats {n['lost_s']:.0f} s ago; "
+              "its keys are misses until it registers again" for n in stats.get("lost", ())]
+    expect = stats.get("expect_nodes", 0)
+    if len(stats["nodes"]) < expect:
+        lines.append(f"DEGRADED: {len(stats['nodes'])} of {expect} storage nodes live (expect_nodes)")
     if stats.get("tenants"):
         lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}"]
         for t, row in sorted(stats["tenants"].items()):
@@ -141,8 +146,9 @@ def cmd_clear(args) -> int:
 def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, probe: bool = True,
                stop: Optional[threading.Event] = None) -> tuple[bool, str]:
     """Ask the master until it lists at least ``nodes`` live nodes and, with ``probe``, a put of a
-    probe object (over ``tcp``, then removed) succeeds: (True, what is up), or (False, why not)
-    once ``timeout_s`` has passed or ``stop`` is set."""
+    probe object (over ``tcp``, then removed) succeeds and this host reaches the master's
+    publish port: (True, what is up), or (False, why not) once ``timeout_s`` has passed or
+    ``stop`` is set."""
     from . import protocol as P
     end, why, client, stop = time.monotonic() + timeout_s, "", None, stop or threading.Event()
     try:
@@ -157,11 +163,14 @@ def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, pr
                         from .client import StoreClient
                         client = StoreClient(config=dataclasses.replace(config, transport="tcp",
                                                                         circuit_open_s=0))
-                    if not probe or _probe(client):
-                        return True, (f"master {config.master} (hicache-mc {stats.get('version', '?')}), "
-                                      f"{n_nodes(len(ids))} live ({', '.join(ids)})"
-                                      + (", a probe put succeeded" if probe else ""))
-                    why = f"{n_nodes(len(ids))} live, but a probe put failed (see the nodes' logs)"
+                    if probe and not _probe(client):
+                        why = f"{n_nodes(len(ids))} live, but a probe put failed (see the nodes' logs)"
+                    else:
+                        why = _publisher_problem(config, stats.get("publish_port", -1)) if probe else ""
+                        if not why:
+                            return True, (f"master {config.master} (hicache-mc {stats.get('version', '?')}), "
+                                          f"{n_nodes(len(ids))} live ({', '.join(ids)})"
+                                          + (", a probe put succeeded" if probe else ""))
             except HicacheError as exc:
                 why = str(exc)
             if time.monotonic() >= end or stop.wait(0.25):
@@ -169,6 +178,26 @@ def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, pr
     finally:
         if client is not None:
             client.close()
+
+
+def _publisher_problem(config: ClientConfig, port: int) -> str:
+    """Why this host cannot subscribe to the master's publish port ("" when it can, or when the
+    master publishes nothing): its residency views and KV-event bridges would fail there."""
+    import zmq
+    from . import protocol as P
+    from .auth import credential, secure_client
+    from .link import reach
+    from .rpc import host_of
+    if port < 0:
+        return ""
+    host = host_of(config.master)
+    address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+    cred = credential(config.token)
+    sock = secure_client(zmq.Context.instance().socket(zmq.SUB), cred, P.MAX_HEADER_BYTES)
+    down = reach(sock, address, cred is not None, min(config.timeout_s, 2.0))
+    return "" if down is None else (f"the master's publish port {address}: {down.value} (clients' "
+                                    "residency views and the KV-event bridge subscribe there: open "
+                                    "it to this host, or set publish_port)")
 
 
 def _probe(client) -> bool:

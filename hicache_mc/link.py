@@ -20,8 +20,12 @@ token missing on one side, a token or credential of another cluster, or a handsh
 from __future__ import annotations
 
 import enum
+import errno
 import itertools
 import logging
+import os
+import select
+import socket
 import time
 from typing import Optional
 
@@ -135,3 +139,77 @@ class Link:
     def close(self) -> None:
         self.sock.disable_monitor()
         self.events.close(0)
+
+
+def reach(sock: zmq.Socket, address: str, has_credential: bool, timeout_s: float) -> Optional[Down]:
+    """Connect ``sock`` (set up by ``auth.secure_client``) to ``address`` and wait for the
+    handshake: None once it succeeded, or why not (a connection that neither succeeds nor
+    fails in ``timeout_s`` is REFUSED: a firewall that drops it). ``sock`` is closed."""
+    link = Link(sock, has_credential)
+    try:
+        sock.connect(address)
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return Down.REFUSED
+            if link.events.poll(int(left * 1000) + 1):
+                why = link.down()
+                if why is not None:
+                    return why
+                if link.up:
+                    return None
+    finally:
+        link.close()
+        sock.close(0)
+
+
+PROBE_EVERY_S = 10.0    # a service's own port is probed this often (a connection it accepts)
+PROBE_WAIT_S = 2.0      # a connect not answered by then: dropped on the way (a firewall)
+
+
+def local_address(host: str) -> str:
+    """The address a process dials to reach its own port bound to ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+class PortProbe:
+    """Whether a TCP port accepts connections, for a service loop that must not block: each
+    ``problem()`` finishes the non-blocking connect the last one started, and starts another
+    every PROBE_EVERY_S."""
+
+    def __init__(self, host: str, port: int):
+        self.address = (host, port)
+        self._sock: Optional[socket.socket] = None
+        self._started = 0.0
+        self._next = 0.0
+        self._last = ""
+
+    def problem(self) -> str:
+        """"" while the port took the last connection; else why not."""
+        now = time.monotonic()
+        if self._sock is not None:
+            if select.select([], [self._sock], [], 0)[1]:
+                err = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                self._done("" if err == 0 else os.strerror(err))
+            elif now - self._started > PROBE_WAIT_S:
+                self._done(f"no answer in {PROBE_WAIT_S:g} s")
+        if self._sock is None and now >= self._next:
+            self._next, self._started = now + PROBE_EVERY_S, now
+            family = socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET
+            self._sock = socket.socket(family, socket.SOCK_STREAM)
+            self._sock.setblocking(False)
+            err = self._sock.connect_ex(self.address)
+            if err not in (0, errno.EINPROGRESS):
+                self._done(os.strerror(err))
+        return self._last
+
+    def _done(self, problem: str) -> None:
+        self._sock.close()
+        self._sock = None
+        self._last = problem
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -38,7 +38,8 @@ from .. import protocol as P
 from .. import residency as R
 from ..auth import credential, secure_client
 from ..errors import HicacheError, RemoteError
-from ..rpc import Channel, host_of, monitor
+from ..link import Link
+from ..rpc import Channel, host_of
 from .digests import DigestSet, prefixes
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class ResidencyView:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._sub: Optional[zmq.Socket] = None
-        self._monitor: Optional[zmq.Socket] = None  # the SUB's connection events
+        self._link: Optional[Link] = None   # the SUB's connection: why it is down, if it is
         self._port = 0
 
     # -------------------------------------------------------------- callers
@@ -202,7 +203,9 @@ class ResidencyView:
             # no beat: a partition, a stalled publisher or this thread (or a subscription that
             # never took effect); snapshots back off while that goes on
             self.counters["view_stale"] += 1
-            self._resync(sp, "silent for %.1f s", now - sp.heard)
+            problem = self._link.problem if self._link is not None else ""
+            self._resync(sp, "silent for %.1f s%s", now - sp.heard,
+                         f": the publish port: {problem}" if problem else "")
             sp.failures += 1
             sp.retry_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
         if sp.need and now >= sp.retry_at:
@@ -245,8 +248,9 @@ class ResidencyView:
         host = host_of(self.master)
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        self._monitor = monitor(sub, zmq.EVENT_DISCONNECTED)
-        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
+        self._link = Link(sub, credential(self.token) is not None)
+        self._publisher = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        sub.connect(self._publisher)
         for sp in self.spaces.values():
             if sp.keys is not None:
                 sub.setsockopt(zmq.SUBSCRIBE, R.topic(sp.ns))
@@ -254,10 +258,9 @@ class ResidencyView:
 
     def _close_sub(self) -> None:
         if self._sub is not None:
-            self._sub.disable_monitor()
+            self._link.close()
             self._sub.close(0)
-            self._monitor.close(0)
-            self._sub = self._monitor = None
+            self._sub = self._link = None
 
     def _drain(self) -> None:
         if self._sub is None:
@@ -265,12 +268,13 @@ class ResidencyView:
             return
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._link.events, zmq.POLLIN)
         events = dict(poller.poll(50))
-        if self._monitor in events:
-            self._monitor.recv_multipart()      # (only DISCONNECTED is watched)
-            for sp in self.spaces.values():     # ZeroMQ reconnects; the numbers tell the rest
-                self._resync(sp, "publisher connection lost")
+        if self._link.events in events:
+            down = self._link.check(f"the master's publish port {self._publisher} (residency "
+                                    "view: publish_port; lookups ask the master meanwhile)")
+            for sp in self.spaces.values() if down is not None else ():
+                self._resync(sp, "publish port: %s", down.value)   # ZeroMQ reconnects by itself
         if self._sub not in events:
             return
         for _ in range(1000):
