@@ -23,7 +23,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=token_arg(args), metrics_port=args.metrics_port)
+                       port=args.port, token=token_arg(args), metrics_port=args.metrics_port,
+                       publish_port=args.publish_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
     s.add_argument("--metrics-port", type=int, help="the master's /metrics, /health and /ready port "
                    "(default 9370; 0: any free port; -1: off)")
+    s.add_argument("--publish-port", type=int, help="the master's residency publisher, which "
+                   "clients' views and the KV-event bridge subscribe to (default 7373; 0: any free "
+                   "port; -1: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -204,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int)
     s.add_argument("--metrics-port", type=int, help="/metrics, /health and /ready port "
                    "(default 9370; 0: any free port; -1: off)")
+    s.add_argument("--publish-port", type=int, help="residency publisher port (default 7373; "
+                   "0: any free port; -1: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")
@@ -236,6 +242,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:     # `hicache-mc stats | head`: the reader is done, and so are we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit flush)
+        return 141                                                        # 128 + SIGPIPE
     except Exception as exc:
         if not in_use(exc):
             raise
@@ -249,8 +258,8 @@ def in_use(exc: BaseException) -> Optional[str]:
     if getattr(exc, "errno", None) != errno.EADDRINUSE:
         return None
     return (f"cannot listen: {exc}; another process (another hicache-mc?) holds that port: stop "
-            "it or choose another (--port, --node-port, --data-port, --metrics-port, "
-            "--node-metrics-port)")
+            "it or choose another (--port, --publish-port, --node-port, --data-port, "
+            "--metrics-port, --node-metrics-port)")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ class MasterConfig:
     # the master: 0 = any free port (set one where a firewall must know it), -1 = off
     publish_port: int = 0
     publish_beat_s: float = 0.5        # each subscribed namespace gets a beat this often
+    expect_nodes: int = 0              # /ready says "degraded" with fewer live nodes (0: any)
 
     def __post_init__(self):
         _check_server_token(self.token)
@@ -76,6 +77,8 @@ class MasterConfig:
         _check_positive(self.publish_beat_s, "publish_beat_s")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
+        if self.expect_nodes < 0:
+            raise ConfigError(f"expect_nodes: must be >= 0, got {self.expect_nodes}")
         parse_quotas(self.tenant_quotas)
 
     def quotas(self) -> dict[str, int]:

@@ -33,6 +33,7 @@ class NodeState:
 # though what it holds is still looked up until it expires (interval x liveness). Half an
 # interval of slack: a loaded node's loop runs its heartbeat a little late.
 MISSED_BEAT = 1.5
+LOST_FOR_S = 3600.0     # an expired node is named in stats (LOST) this long
 
 
 class NodeRegistry:
@@ -42,8 +43,12 @@ class NodeRegistry:
         self.expiry_s = interval_s * liveness
         self.missed_s = interval_s * MISSED_BEAT
         self.nodes: dict[str, NodeState] = {}
+        # node id -> (address, when it expired): nodes that missed their heartbeats and have
+        # not registered again, named in stats for LOST_FOR_S (a node removed on purpose ages out)
+        self._lost: dict[str, tuple[str, float]] = {}
 
     def upsert(self, info: NodeInfo, slot: int, ident: bytes = b"") -> NodeState:
+        self._lost.pop(info.node_id, None)
         st = NodeState(info, slot, time.monotonic(), ident=ident)
         self.nodes[info.node_id] = st
         return st
@@ -65,7 +70,15 @@ class NodeRegistry:
         dead = [st for st in self.nodes.values() if now - st.last_seen > self.expiry_s]
         for st in dead:
             del self.nodes[st.info.node_id]
+            self._lost[st.info.node_id] = (st.info.address, now)
         return dead
+
+    def lost_nodes(self, now: float) -> list[dict]:
+        """The nodes that expired in the last LOST_FOR_S and have not registered again."""
+        for node_id in [n for n, (_, at) in self._lost.items() if now - at > LOST_FOR_S]:
+            del self._lost[node_id]
+        return [{"node_id": n, "address": a, "lost_s": round(now - at, 1)}
+                for n, (a, at) in self._lost.items()]
 
     def live_slots(self) -> set[int]:
         return {st.slot for st in self.nodes.values()}

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .. import __version__, protocol as P
 from ..config import MasterConfig
 from ..metrics import histogram_family
+from ..link import PortProbe, local_address
 from ..rpc import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
 from .publisher import Publisher
@@ -64,6 +65,8 @@ class MasterService(Service):
             self.index.journal = {}
             self.index.key_spaces = self.publisher.key_spaces    # one set: the publisher fills it
             self.add_socket(self.publisher.sock, self.publisher.on_readable)
+        self._publish_probe = None if self.publisher is None else PortProbe(
+            local_address(config.host), self.publisher.port)
         self.enable_metrics(config.metrics_host, config.metrics_port)
 
     # -------------------------------------------------------------- timers
@@ -255,6 +258,8 @@ class MasterService(Service):
         stats = {"epoch": self.epoch, "version": __version__, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
                  "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
+                 "lost": self.registry.lost_nodes(now), "expect_nodes": self.config.expect_nodes,
+                 "publish_port": self.publisher.port if self.publisher else -1,
                  **self.counters, **(self.publisher.counters if self.publisher else {})}
         return P.StatsReply(stats)
 
@@ -345,8 +350,22 @@ class MasterService(Service):
 
     # -------------------------------------------------------------- metrics
 
+    def close(self) -> None:
+        if self._publish_probe is not None:
+            self._publish_probe.close()
+        super().close()
+
     def readiness(self) -> tuple[bool, str]:
-        return bool(self.registry.nodes), "no live storage node"
+        live, expect = len(self.registry.nodes), self.config.expect_nodes
+        if not live:
+            return False, "no live storage node"
+        if live < expect:
+            return False, f"degraded: {live} of {expect} storage nodes live (expect_nodes)"
+        problem = self._publish_probe.problem() if self._publish_probe is not None else ""
+        if problem:
+            return False, (f"degraded: the publish port {self.publisher.port} takes no connection "
+                           f"({problem}): clients' views ask the master for every lookup")
+        return True, ""
 
     def metric_families(self) -> list:
         now = time.monotonic()
