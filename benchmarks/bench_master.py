@@ -80,7 +80,7 @@ def main():
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "master", "--port", str(port),
-                             "--metrics-port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--metrics-port", "0", "--publish-port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     master = f"tcp://127.0.0.1:{port}"
     try:
         time.sleep(1.0)

@@ -63,9 +63,10 @@ class MasterConfig:
     metrics_port: int = 9370           # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
-    # residency updates for clients' views (master/publisher.py); clients learn the port from
-    # the master: 0 = any free port (set one where a firewall must know it), -1 = off
-    publish_port: int = 0
+    # residency updates for clients' views and the KV-event bridge (master/publisher.py), on
+    # the master's host: a fixed port that firewalls open beside `port`; clients learn it from
+    # the master. 0 = any free port (tests, several masters on one host), -1 = off
+    publish_port: int = 7373
     publish_beat_s: float = 0.5        # each subscribed namespace gets a beat this often
     expect_nodes: int = 0              # /ready says "degraded" with fewer live nodes (0: any)
 

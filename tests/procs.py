@@ -103,7 +103,8 @@ class Cluster:
         self.master = f"tcp://127.0.0.1:{self.port}"
         # the master's metrics on any free port, not 9370: clusters of several tests may overlap
         self.env = {"HICACHE_MC_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
-                    "HICACHE_MC_LIVENESS": str(liveness), "HICACHE_MC_MASTER_METRICS_PORT": "0"}
+                    "HICACHE_MC_LIVENESS": str(liveness), "HICACHE_MC_MASTER_METRICS_PORT": "0",
+                    "HICACHE_MC_PUBLISH_PORT": "0"}
         if token:
             self.env["HICACHE_MC_TOKEN"] = token
         self.token = token

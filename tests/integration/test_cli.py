@@ -20,6 +20,7 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
     master's metrics on any free port: 9370 may be another test's)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
     base["HICACHE_MC_MASTER_METRICS_PORT"] = "0"
+    base["HICACHE_MC_PUBLISH_PORT"] = "0"
     return subprocess.run([sys.executable, "-m", "hicache_mc.cli", *args], capture_output=True,
                           text=True, timeout=120, env={**base, **(env or {})})
 

@@ -112,7 +112,7 @@ def test_a_report_after_a_lost_one_is_refused(tmp_path):
     between was lost with a dropped connection) is refused as a gap, which makes the node
     register again with its inventory, holding the lost report's keys. A real MasterService,
     its handlers called as its loop would for the node's connection."""
-    master = MasterService(MasterConfig(port=0, metrics_port=-1))
+    master = MasterService(MasterConfig(port=0, metrics_port=-1, publish_port=0))
     try:
         info = P.NodeInfo("n1", "tcp://127.0.0.1:1", "h", "/dev/null", 1 << 20)
         assert isinstance(master.on_RegisterRequest(P.RegisterRequest(info.to_dict()), b"n1-conn", 1),

@@ -35,7 +35,7 @@ def start(tmp_path):
         head = ["node", "--master", f"tcp://127.0.0.1:{port}"] if cmd == "node" else ["serve", "--port", port]
         env = {"HICACHE_MC_SHM_DIR": shm_dir, "HICACHE_MC_DATA_DIR": str(tmp_path / "data"),
                # serve's master: not 9370, which another hicache-mc on this host may hold
-               "HICACHE_MC_MASTER_METRICS_PORT": "0"}
+               "HICACHE_MC_MASTER_METRICS_PORT": "0", "HICACHE_MC_PUBLISH_PORT": "0"}
         procs.append(Proc([*head, *args], str(tmp_path / f"{cmd}.log"), env, os.setsid).start())
         return procs[-1]
     yield run
