@@ -150,11 +150,35 @@ def _names(text: str) -> set[str]:
     return names
 
 
-def test_the_dashboard_uses_metrics_a_master_and_a_node_serve(cluster, tmp_path):
+def alert_rules() -> list[dict]:
+    """The rules of deploy/alerts.yml, each checked for the fields Prometheus needs."""
+    doc = load_yaml("alerts.yml")[0]
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    for r in rules:
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
+        assert re.fullmatch(r"[A-Z][A-Za-z]+", r["alert"]) and r["expr"].strip(), r
+        assert r["labels"]["severity"] in ("info", "warning", "critical") and r["annotations"]["summary"]
+        assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
+    return rules
+
+
+def test_alert_rules_cover_the_failures_and_prometheus_loads_them():
+    names = {r["alert"] for r in alert_rules()}
+    for want in ("NodeDown", "TierDegraded", "QuotaNearlyFull", "ViewsOutOfSync"):
+        assert f"HicacheMc{want}" in names
+    prometheus = load_yaml("prometheus.yml")[0]
+    mounts = dict(v.rsplit(":", 1)[0].split(":") for v in compose()["services"]["prometheus"]["volumes"])
+    assert mounts["./alerts.yml"] in prometheus["rule_files"]
+
+
+def test_the_dashboard_and_alert_rules_use_metrics_a_master_and_a_node_serve(cluster, tmp_path):
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "hicache-mc.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bhicache_mc_\w+", e)}
     assert len(used) >= 20
+    alerting = {m for r in alert_rules() for m in re.findall(r"\bhicache_mc_\w+", r["expr"])}
+    assert len(alerting) >= 6
+    used |= alerting
     master_port, node_port = free_port(), free_port()
     cluster.start_master(args=("--metrics-port", str(master_port)))
     cluster.add_node(args=("--node-metrics-port", str(node_port), "--ssd", "64MiB",

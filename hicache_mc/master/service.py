@@ -51,7 +51,8 @@ class MasterService(Service):
         self.branches = placement.Branches()    # parents of recent Places: chains that branched there
         self.counters = {"exists_calls": 0, "locate_calls": 0, "place_calls": 0,
                          "hits": 0, "misses": 0, "placed": 0, "copies_placed": 0, "deduplicated": 0,
-                         "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0}
+                         "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0,
+                         "snapshots": 0}
         self._next_expiry = 0.0
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
@@ -228,6 +229,7 @@ class MasterService(Service):
         self.check_tenant([msg.namespace + "/"])
         if self.publisher is None:
             return P.ErrorReply("unavailable", "this master publishes no residency (publish_port -1)")
+        self.counters["snapshots"] += 1     # views out of sync keep asking (an alert rule)
         return self.publisher.snapshot(msg.namespace, self.index, self._node_marks())
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, ident, req_id):
@@ -371,7 +373,12 @@ class MasterService(Service):
         now = time.monotonic()
         nodes = list(self.registry.nodes.values())
         fams = [GaugeMetricFamily("hicache_mc_master_keys", "keys in the master index", len(self.index)),
-                GaugeMetricFamily("hicache_mc_master_nodes", "live storage nodes", len(nodes))]
+                GaugeMetricFamily("hicache_mc_master_nodes", "live storage nodes", len(nodes)),
+                GaugeMetricFamily("hicache_mc_master_nodes_expected", "storage nodes the cluster "
+                                  "should have (expect_nodes; 0: any)", self.config.expect_nodes),
+                GaugeMetricFamily("hicache_mc_master_nodes_lost", "nodes that missed their "
+                                  "heartbeats in the last hour and have not registered again",
+                                  len(self.registry.lost_nodes(now)))]
         live = GaugeMetricFamily("hicache_mc_node_heartbeat_age_seconds",
                                  "seconds since each node's last heartbeat", labels=["node"])
         cap = GaugeMetricFamily("hicache_mc_node_capacity_bytes", "DRAM capacity per node", labels=["node"])
