@@ -94,6 +94,7 @@ def format_stats(stats: dict) -> str:
              f"DRAM {_mib(stats['used'])} / {_mib(stats['capacity'])} MiB used",
              f"lookups {stats['hits']} hits / {stats['misses']} misses; placed {stats['placed']}, "
              f"deduplicated {stats['deduplicated']}, evicted {stats['evicted']}, "
+             f"cleared {stats.get('cleared', 0)}, "
              f"nodes expired {stats['nodes_expired']}", ""]
     head = (f"{'node':<22}{'objects':>9}{'DRAM MiB':>15}{'SSD MiB':>15}{'evict':>8}{'demote':>8}"
             f"{'promote':>8}{'compact':>8}{'corrupt':>8}{'age s':>7}")

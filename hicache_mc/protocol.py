@@ -207,6 +207,7 @@ class EvictedRequest(Message):
     # numbered in the same sequence as CommittedRequest: the master applies a node's reports
     # in that order only, so an eviction never undoes a later commit of the same key
     seq: U64 = 0
+    cleared: bool = False    # removed by a ClearRequest, not evicted (counted apart)
 
 
 # ---------------------------------------------------------------- node data plane

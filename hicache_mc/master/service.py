@@ -51,7 +51,8 @@ class MasterService(Service):
         self.branches = placement.Branches()    # parents of recent Places: chains that branched there
         self.counters = {"exists_calls": 0, "locate_calls": 0, "place_calls": 0,
                          "hits": 0, "misses": 0, "placed": 0, "copies_placed": 0, "deduplicated": 0,
-                         "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0,
+                         "committed": 0, "evicted": 0, "cleared": 0, "nodes_expired": 0,
+                         "fence_waits": 0,
                          "snapshots": 0}
         self._next_expiry = 0.0
         self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
@@ -330,7 +331,7 @@ class MasterService(Service):
         if msg.keys and msg.seq != st.seq + 1:
             return self._gap(msg, st)
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
-        self.counters["evicted"] += removed
+        self.counters["cleared" if msg.cleared else "evicted"] += removed
         self._applied(st, msg.seq)
         return P.OkReply()
 

@@ -364,13 +364,14 @@ class StorageNode(Service):
         if not self._announced:     # the inventory it registers with leaves them out
             return P.ClearReply(len(gone))
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
-        self._evicted(gone, (ident, req_id, P.ClearReply(len(gone)), failed))
+        self._evicted(gone, (ident, req_id, P.ClearReply(len(gone)), failed), cleared=True)
         return None
 
-    def _evicted(self, keys: list[str], waiter: Optional[tuple] = None) -> None:
-        """Tell the master that ``keys`` left this node: a report numbered like commits."""
+    def _evicted(self, keys: list[str], waiter: Optional[tuple] = None, cleared: bool = False) -> None:
+        """Tell the master that ``keys`` left this node (evicted, or ``cleared``): a report
+        numbered like commits."""
         self._seq += 1
-        self._to_master(P.EvictedRequest(self.node_id, keys, self._seq), waiter)
+        self._to_master(P.EvictedRequest(self.node_id, keys, self._seq, cleared), waiter)
 
     def metric_families(self) -> list:
         return node_families(self.node_id, self.stats(), self.rejected, self.latency)

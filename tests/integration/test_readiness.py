@@ -127,3 +127,17 @@ def test_stats_piped_into_head_ends_without_a_traceback(cluster):
                        f"{cluster.master} | head -3", shell=True, env=env, capture_output=True,
                        text=True, timeout=120)
     assert "master " in r.stdout and r.stderr == "", r.stderr
+
+
+def test_waits_probe_is_cleared_not_counted_as_an_eviction(cluster):
+    cluster.start_master()
+    cluster.add_node(dram="32MiB")
+    cluster.wait_nodes(1)
+    p = cli("wait", "--master", cluster.master, "--timeout", "60")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "a probe put succeeded" in out, err
+    end = time.monotonic() + 10
+    while cluster.stats()["cleared"] < 1:       # the node's report reaches the master
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    assert cluster.stats()["evicted"] == 0
