@@ -18,6 +18,9 @@ from .errors import ConfigError
 ENV_PREFIX = "HICACHE_MC_"
 DEFAULT_MASTER = "tcp://127.0.0.1:7370"
 SECTIONS = ("master", "node", "client")     # a config file's tables: one per role
+# A setting two roles have with different meanings (each its own port): only its role's
+# variable sets it, so HICACHE_MC_PORT (the master's port) never moves a node's port too
+ROLE_ENV = {"env": "role"}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -60,7 +63,8 @@ class MasterConfig:
     # shared secret of the cluster ("" = none; "@FILE" reads it): the CURVE keys of every ZeroMQ
     # port and the stream ports' handshake derive from it (hicache_mc/auth.py)
     token: str = field(default="", repr=False)    # never in a log line or a traceback
-    metrics_port: int = 9370           # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
+    # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
+    metrics_port: int = field(default=9370, metadata=ROLE_ENV)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
     # residency updates for clients' views and the KV-event bridge (master/publisher.py), on
@@ -94,7 +98,7 @@ class NodeConfig:
     # the address clients dial, published to the master ("" = host; for a wildcard host, the
     # address of this host's route to the master)
     advertise_host: str = ""
-    port: int = 0                      # 0 = any free port (reported to the master)
+    port: int = field(default=0, metadata=ROLE_ENV)     # 0 = any free port (reported to the master)
     data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
     node_id: str = ""                  # "" = derived, kept across restarts (node/naming.py)
     dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
@@ -111,7 +115,7 @@ class NodeConfig:
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
     token: str = field(default="", repr=False)
-    metrics_port: int = 0                      # /metrics etc. (0 = any free port, in stats; -1 = off)
+    metrics_port: int = field(default=0, metadata=ROLE_ENV)  # /metrics etc. (0 = any free port, in stats; -1 = off)
     metrics_host: str = "127.0.0.1"
     # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
     ssd: int = size_field("0")                 # SSD tier capacity (0 = no SSD tier)
@@ -271,10 +275,11 @@ def load_config(cls: type[T], file: Optional[str] = None, env: Optional[Mapping[
     if file:
         values.update(_read_file(file, section, fields))
     env = os.environ if env is None else env
-    for name in fields:
-        # HICACHE_MC_NODE_PORT targets one role; HICACHE_MC_PORT every role that has a port
+    for name, f in fields.items():
+        # HICACHE_MC_NODE_DRAM targets one role; HICACHE_MC_DRAM every role that has the
+        # setting, except the ports (ROLE_ENV)
         raw = env.get(f"{ENV_PREFIX}{section.upper()}_{name.upper()}") if section else None
-        if raw is None:
+        if raw is None and not (section and f.metadata.get("env") == "role"):
             raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw

@@ -126,3 +126,15 @@ def test_an_unknown_section_is_refused_naming_the_known_ones(tmp_path, section):
     cls = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}[section]
     with pytest.raises(ConfigError, match=r"\[nodes\].*\[master\], \[node\], \[client\]"):
         load_config(cls, file=str(f), env={}, section=section)
+
+
+def test_the_masters_port_variable_never_moves_a_nodes_port():
+    """HICACHE_MC_PORT is the master's port; a node (serve's too) takes HICACHE_MC_NODE_PORT only,
+    and each role's metrics port its own variable only (both would bind one port in serve)."""
+    env = {"HICACHE_MC_PORT": "7411", "HICACHE_MC_METRICS_PORT": "9999"}
+    assert load_config(MasterConfig, env=env, section="master").port == 7411
+    assert load_config(NodeConfig, env=env, section="node").port == 0
+    assert load_config(MasterConfig, env=env, section="master").metrics_port == 9370
+    assert load_config(NodeConfig, env=env, section="node").metrics_port == 0
+    assert load_config(NodeConfig, env={"HICACHE_MC_NODE_METRICS_PORT": "9371"},
+                       section="node").metrics_port == 9371
