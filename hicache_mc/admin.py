@@ -230,10 +230,27 @@ def cmd_credential(args) -> int:
         raise ConfigError("token: set one (--token-file, HICACHE_MC_TOKEN or the config file); "
                           "credentials derive from it")
     try:
-        print(issue(token, args.role, args.tenant).text())
+        text = issue(token, args.role, args.tenant).text()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _private_stdout()
+    print(text)
     return 0
+
+
+def _private_stdout() -> None:
+    """``credential > FILE``: the shell made FILE with its umask (often readable by everyone);
+    make it readable by its owner alone before the secret goes in, or say so."""
+    import os
+    import stat
+    fd = sys.stdout.fileno()
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode) and mode & 0o077:
+        try:
+            os.fchmod(fd, stat.S_IMODE(mode) & 0o600)
+        except OSError as exc:
+            print(f"hicache-mc: warning: the file receiving the credential is readable by others "
+                  f"and could not be restricted ({exc.strerror}): chmod 600 it", file=sys.stderr)
 
 
 def _mib(n) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -174,17 +175,30 @@ def cmd_demo(args) -> int:
     return run_demo(dram=args.dram or "2GiB", requests=args.requests, pages=args.pages)
 
 
+class NoSecretArgument(argparse.Action):
+    """``--token``: refused without echoing its value (argv is visible to every user of the
+    host; the error would print it again)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("a secret is never an argument (every user of this host sees the command "
+                     "line): give --token-file FILE, or HICACHE_MC_TOKEN")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
+    # no abbreviations: "--token X" must never be read as "--token-file X" (nor any prefix as
+    # another option)
+    strict = functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    p = strict(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("--version", action="version", version=f"hicache-mc {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=strict)
 
     def common(sp, master=False):
         sp.add_argument("--config", help="TOML or JSON config file ([master], [node], [client] sections)")
         sp.add_argument("--token-file", metavar="FILE",
                         help="a file holding the cluster token or a credential (else HICACHE_MC_TOKEN "
                              "or the config file's token)")
+        sp.add_argument("--token", action=NoSecretArgument, help=argparse.SUPPRESS)
         if master:
             sp.add_argument("--master", help="the master, tcp://HOST:PORT or HOST:PORT (default: "
                             "HICACHE_MC_MASTER, else the config file, else tcp://127.0.0.1:7370)")
