@@ -145,11 +145,11 @@ def cmd_clear(args) -> int:
 
 
 def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, probe: bool = True,
-               stop: Optional[threading.Event] = None) -> tuple[bool, str]:
+               stop: Optional[threading.Event] = None, pid: int = 0) -> tuple[bool, str]:
     """Ask the master until it lists at least ``nodes`` live nodes and, with ``probe``, a put of a
     probe object (over ``tcp``, then removed) succeeds and this host reaches the master's
-    publish port: (True, what is up), or (False, why not) once ``timeout_s`` has passed or
-    ``stop`` is set."""
+    publish port: (True, what is up), or (False, why not) once ``timeout_s`` has passed,
+    ``stop`` is set, or the process ``pid`` (the store being waited for) has ended."""
     from . import protocol as P
     end, why, client, stop = time.monotonic() + timeout_s, "", None, stop or threading.Event()
     try:
@@ -174,11 +174,22 @@ def wait_ready(config: ClientConfig, nodes: int = 1, timeout_s: float = 60.0, pr
                                           + (", a probe put succeeded" if probe else ""))
             except HicacheError as exc:
                 why = str(exc)
+            if pid and not _running(pid):
+                return False, f"process {pid} ended (its output says why); last: {why}"
             if time.monotonic() >= end or stop.wait(0.25):
                 return False, why
     finally:
         if client is not None:
             client.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited child not yet reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _publisher_problem(config: ClientConfig, port: int) -> str:
@@ -214,9 +225,10 @@ def _probe(client) -> bool:
 
 
 def cmd_wait(args) -> int:
-    ok, what = wait_ready(client_config(args), args.nodes, args.wait_s)
+    ok, what = wait_ready(client_config(args), args.nodes, args.wait_s, pid=args.pid)
     if not ok:
-        print(f"hicache-mc: not ready after {args.wait_s:g} s: {what}", file=sys.stderr)
+        when = "" if args.pid and not _running(args.pid) else f" after {args.wait_s:g} s"
+        print(f"hicache-mc: not ready{when}: {what}", file=sys.stderr)
         return 1
     print(f"ready: {what}")
     return 0
@@ -287,6 +299,8 @@ def add_commands(sub, common) -> None:
     s.add_argument("--nodes", type=int, default=1, help="live storage nodes to wait for (default 1)")
     s.add_argument("--timeout", dest="wait_s", type=float, default=60.0, metavar="SECONDS",
                    help="give up after this long (default 60)")
+    s.add_argument("--pid", type=int, default=0,
+                   help="give up as soon as this process (the store being started) has ended")
     s.set_defaults(fn=cmd_wait)
 
     s = sub.add_parser("credential", help="print a client's or an administrator's credential")

@@ -141,3 +141,25 @@ def test_waits_probe_is_cleared_not_counted_as_an_eviction(cluster):
         assert time.monotonic() < end
         time.sleep(0.05)
     assert cluster.stats()["evicted"] == 0
+
+
+def test_wait_gives_up_at_once_when_the_store_it_waits_for_has_exited(tmp_path):
+    """The examples waited 300 s for a serve that had exited at once (its metrics port taken)."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = free_port()
+    serve = cli("serve", "--port", str(port), "--dram", "16MiB", "--metrics-port",
+                str(taken.getsockname()[1]), "--publish-port", "0")
+    try:
+        t0 = time.monotonic()
+        p = cli("wait", "--master", f"127.0.0.1:{port}", "--timeout", "300", "--pid", str(serve.pid))
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and time.monotonic() - t0 < 60
+        assert err.startswith(f"hicache-mc: not ready: process {serve.pid} ended"), err
+        assert serve.wait(30) == 2 and "cannot listen" in serve.stderr.read()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        taken.close()
