@@ -101,13 +101,15 @@ def compare(policy: str, base: dict, lost: dict, kill_at: int, window: int, dist
     row["share"] = lost["killed"].get("share", 0.0)
     row["node"] = lost["killed"].get("node", "")
     row["memory_x"] = base["used_end"] / distinct_bytes      # bytes held / distinct bytes
+    row["put_failed"] = sum(o.put_failed for o in lost["outcomes"][kill_at:])
     row["wrong"] = sum(o.wrong for r in (base, lost) for o in r["outcomes"])
     return row
 
 
 COLUMNS = [("policy", ""), ("hot_chains", "d"), ("share", ".3f"), ("base_window", ".4f"),
            ("lost_window", ".4f"), ("drop_window", ".3f"), ("base_rest", ".4f"),
-           ("lost_rest", ".4f"), ("drop_rest", ".3f"), ("memory_x", ".2f"), ("wrong", "d")]
+           ("lost_rest", ".4f"), ("drop_rest", ".3f"), ("memory_x", ".2f"), ("put_failed", "d"),
+           ("wrong", "d")]
 
 
 def main(argv=None) -> int:
