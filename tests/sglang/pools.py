@@ -204,3 +204,26 @@ def wait_view_out_of_sync(backend, timeout_s: float = 5.0) -> None:
     while view is not None and any(sp.synced for sp in view.spaces.values()):
         assert time.monotonic() < end, "the residency view did not notice the store went away"
         time.sleep(0.01)
+
+
+def write_token_kv(pool, idx: torch.Tensor, kv: torch.Tensor) -> None:
+    """Per-token KV ``kv`` (2, tokens, layers, heads, dim) into host slots ``idx`` of an MHA
+    pool in ``page_first`` or ``page_head`` layout."""
+    buf, ps = pool.kv_buffer, pool.page_size
+    if pool.layout == "page_first":             # (2, slots, L, H, D)
+        buf[:, idx] = kv
+    elif pool.layout == "page_head":            # (2, pages, H, ps, L, D)
+        # indices split by a slice put their dimension first: (tokens, 2, H, L, D)
+        buf[:, idx // ps, :, idx % ps] = kv.permute(1, 0, 3, 2, 4)
+    else:
+        raise NotImplementedError(f"layout {pool.layout}")
+
+
+def read_token_kv(pool, idx: torch.Tensor) -> torch.Tensor:
+    """The per-token KV (2, tokens, layers, heads, dim) held in host slots ``idx``."""
+    buf, ps = pool.kv_buffer, pool.page_size
+    if pool.layout == "page_first":
+        return buf[:, idx].clone()
+    if pool.layout == "page_head":
+        return buf[:, idx // ps, :, idx % ps].permute(1, 0, 3, 2, 4).clone()
+    raise NotImplementedError(f"layout {pool.layout}")

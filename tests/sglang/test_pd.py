@@ -1,0 +1,99 @@
+"""PD disaggregation through the L3: a decode instance's output pages (SGLang's own
+DecodeKVCacheOffloadManager) are the next turn's prefill hits, on any prefill instance."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from controllers import ControllerRig, clear_layout, single_rank_layout
+from decode_offload import DecodeRank, one_rank_group, server_args
+from pools import read_token_kv
+
+MODEL = "test/pd"
+_rid = iter(range(1, 1_000_000))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_layout():
+    single_rank_layout()
+    made = one_rank_group()
+    yield
+    if made:
+        dist.destroy_process_group()
+    clear_layout()
+
+
+class Shape:
+    page_size, layers, heads, head_dim = 16, 3, 4, 32
+
+
+def tokens(n: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i) % 120_000 for i in range(n)]
+
+
+def true_kv(n: int, seed: int, heads: int = Shape.heads) -> torch.Tensor:
+    """The model's KV of ``n`` tokens (2, tokens, layers, heads, dim): what any instance that
+    computes them holds."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, n, Shape.layers, heads, Shape.head_dim, generator=g).bfloat16()
+
+
+@pytest.fixture
+def decode_args(shared_store):
+    """The decode server's flags (published for the test's decode ranks)."""
+    made = []
+
+    def publish(layout: str = "page_first", **extra):
+        made.append(server_args(shared_store.master, page_size=Shape.page_size, layout=layout,
+                                model=MODEL, **extra))
+    yield publish
+    for override in made:
+        override.restore()
+
+
+@pytest.fixture
+def closing():
+    objs = []
+    yield objs.append
+    for o in objs:
+        o.close()
+
+
+def test_second_turn_prefill_loads_prompt_and_answer_from_the_l3(shared_store, decode_args,
+                                                                  closing):
+    ps = Shape.page_size
+    decode_args()
+    decode = DecodeRank(page_size=ps, layers=Shape.layers, heads=Shape.heads,
+                        head_dim=Shape.head_dim)
+    closing(decode)
+    prefill_a = ControllerRig(shared_store.master, page_size=ps, layers=Shape.layers,
+                              heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL)
+    closing(prefill_a)
+    rid = next(_rid)
+    prompt, answer = tokens(5 * ps + 7, rid), tokens(3 * ps + 4, rid + 1)
+    kv = true_kv(len(prompt) + len(answer), seed=rid)
+    aligned = len(prompt) // ps * ps
+
+    # turn 1: prefill A computes the prompt and backs its whole pages up; decode takes the
+    # prompt's KV and decodes the answer, offloading it page by page as it goes
+    assert prefill_a.backup(prompt[:aligned], seed=0, kv=kv[:, :aligned]) == aligned
+    req = decode.admit(f"r{rid}", prompt, kv[:, :len(prompt)])
+    for i in range(len(answer)):
+        decode.decode(req, [answer[i]], kv[:, len(prompt) + i:len(prompt) + i + 1])
+        decode.offload(req)
+    # the decode offloads output_ids[:-1] from the prompt's last whole page, in whole pages
+    offloaded = (len(prompt) + len(answer) - 1 - aligned) // ps * ps
+    assert offloaded >= 3 * ps                     # the answer's pages, the prompt's tail too
+
+    # turn 2, on another prefill instance: the prompt is turn 1's prompt, answer and a new
+    # message; every page of turn 1 comes from the L3, byte for byte
+    prefill_b = ControllerRig(shared_store.master, page_size=ps, layers=Shape.layers,
+                              heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL)
+    closing(prefill_b)
+    turn2 = prompt + answer + tokens(2 * ps, rid + 2)
+    res = prefill_b.prefetch(turn2)
+    assert res["loaded"] == aligned + offloaded
+    assert torch.equal(read_token_kv(prefill_b.host, res["indices"][:res["loaded"]]),
+                       kv[:, :res["loaded"]])
+    prefill_b.release(res)
