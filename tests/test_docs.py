@@ -23,6 +23,8 @@ NOT_RUN = {
     "launch_server --help": "needs hicache-mc installed as a package beside SGLang "
                             "(tests/sglang/test_install.py runs SGLang's parser)",
     "Qwen/Qwen2.5-VL": "SGLang's server: a GPU and a model",
+    "--tp-size 4 --hicache-mem-layout page_head": "SGLang's servers at two TP sizes: GPUs and a "
+                                                  "model (tests/sglang/test_heads.py)",
     "hicache_mc.sglang.kv_events": "a bridge that runs until stopped, for a master on another "
                                    "host (tests/sglang/test_kv_events.py runs it)",
 }

@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 from ..client import Chain
 from ..direct import kv_namespace
-from ..keys import batch_page_keys
+from .heads import HeadGroups, head_groups
 from .hits_v2 import leading
 from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
@@ -54,16 +54,14 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self.metrics = BatchMetrics()
         self.episodes = EpisodeLog()
         self.geometry: Optional[PageGeometry] = None
-        self.namespace: Optional[str] = None
+        self.heads = HeadGroups(storage_config.tp_size, storage_config.tp_rank, 1)
+        self.spaces: tuple[str, ...] = ()   # one namespace per head group (heads.py)
         self._stager: Optional[ChunkStager] = None
         self.side_pools: dict = {}          # v2 side pools by name (hybrid.py)
         self.logical_anchor = False
         self._said_no_prefix = False        # hot_pages without SGLang's prefix keys: said once
         self.is_writer = bool(getattr(storage_config, "is_storage_writer",
                                       not storage_config.is_mla_model or storage_config.tp_rank == 0))
-        if getattr(storage_config, "should_split_heads", False):
-            logger.info("hicache_mc: heterogeneous-TP head splitting is not used; pages are "
-                        "shared only between deployments of the same TP size")
         self._check_store()
 
     def _check_store(self) -> None:
@@ -92,20 +90,26 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             logger.info("hicache_mc: logical KV anchor (no KV bytes); side pools hold the pages")
             return
         geo = describe_pool(mem_pool_host)
+        self.heads = head_groups(self.storage_config, mem_pool_host, geo.layout,
+                                 bool(self.storage_config.is_mla_model))
         if not geo.zero_copy:
             self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
         self.geometry = geo
-        self.namespace = self._namespace(mem_pool_host, geo)
-        self.client.follow(self.namespace)      # the residency view, ready for the first probe
+        self.spaces = tuple(self._namespace(mem_pool_host, geo, self.heads.size, rank)
+                            for rank in self.heads.ranks)
+        for ns in self.spaces:          # the residency view, ready for the first probe
+            self.client.follow(ns)
         if geo.zero_copy:   # the store reads / writes these directly
             buffers = getattr(mem_pool_host, "get_hybrid_pool_buffer", None)
             for t in (buffers() if buffers else [mem_pool_host.kv_buffer]):
                 self._register(t.data_ptr(), t.numel() * t.element_size())
-        logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s, "
+        logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s%s, "
                     "namespace %s, master %s", geo.kind.upper(), geo.layout, geo.page_size,
                     "/".join(geo.parts), "/".join(map(str, geo.part_bytes)),
                     "" if geo.zero_copy else f" (staged from {geo.chunks} chunks)",
-                    self.namespace, self.client_config.master)
+                    f" in {self.heads.count} head groups of TP {self.heads.size}"
+                    if self.heads.count > 1 else "", " ".join(self.spaces),
+                    self.client_config.master)
 
     def _register(self, ptr: int, size: int) -> None:
         """Register memory the transport touches (Mooncake TE); a failure only costs speed."""
@@ -117,7 +121,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         except Exception as exc:
             self.episodes.failed("register_buffer", exc)
 
-    def _namespace(self, pool, geo: PageGeometry) -> str:
+    def _namespace(self, pool, geo: PageGeometry, tp_size: int, tp_rank: int) -> str:
         # One derivation for this adapter and the GPU-direct path (hicache_mc.direct), so a page
         # saved by either is a hit for the other. The layer count includes MTP draft layers.
         cfg, s = self.storage_config, self.settings
@@ -127,20 +131,39 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         return kv_namespace(
             s.model_name or cfg.model_name or "", pool.dtype, geo.layout, geo.page_size,
             int(pool.layer_num), start_layer=_int_attr(pool, "start_layer", 0),
-            is_mla=bool(cfg.is_mla_model), tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
+            is_mla=bool(cfg.is_mla_model), tp_size=tp_size, tp_rank=tp_rank,
             pp_rank=getattr(cfg, "pp_rank", 0), attn_cp_rank=getattr(cfg, "attn_cp_rank", 0),
             attn_cp_size=getattr(cfg, "attn_cp_size", 1), tenant=s.tenant,
             kv_cache_dtype=s.kv_cache_dtype).digest()
 
+    @property
+    def objects_per_page(self) -> int:
+        """Store objects per page: each head group's parts."""
+        return len(self.spaces) * len(self.geometry.parts)
+
     def _keys(self, page_hashes: List[str]) -> list[str]:
-        return batch_page_keys(self.namespace, list(page_hashes), self.geometry.parts)
+        """Page-major, then group, then part: ``get_page_buffer_meta``'s pointer order (and
+        ``get_split_heads_page_buffer_meta``'s for several groups)."""
+        parts = self.geometry.parts
+        return [f"{ns}/{h}/{p}" for h in page_hashes for ns in self.spaces for p in parts]
 
     def _page_ptrs(self, n: int, host_indices: torch.Tensor):
         per = self.geometry.page_size
         if host_indices is None or host_indices.numel() != n * per:
             got = None if host_indices is None else host_indices.numel()
             raise ValueError(f"{n} keys need {n * per} host indices, got {got}")
+        if self.heads.count > 1:
+            return self.mem_pool_host.get_split_heads_page_buffer_meta(host_indices,
+                                                                       self.heads.count)
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
+
+    def _stored_pages(self, keys: list[str], n: int) -> int:
+        """Pages stored, counted from the first: one namespace is one view lookup; the head
+        groups of several are answered per key."""
+        per = self.objects_per_page
+        if len(self.spaces) == 1:
+            return max(0, min(n, int(self.client.batch_exists(keys)) // per))
+        return leading(fold_parts(self.client.batch_contains(keys), per))
 
     # ------------------------------------------------------------------ zero-copy path
 
@@ -150,9 +173,9 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         if not keys or self.geometry is None:
             return 0
         try:
-            n = self.client.batch_exists(self._keys(keys))
+            n = self._stored_pages(self._keys(keys), len(keys))
             self.episodes.ok("batch_exists")
-            return max(0, min(len(keys), int(n) // len(self.geometry.parts)))
+            return n
         except Exception as exc:
             self.episodes.failed("batch_exists", exc)
             return 0
@@ -233,7 +256,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
                                "chain's pages: set hicache_storage_pass_prefix_keys true in "
                                "the extra config; no page is written with copies until then")
         parent = self._keys(prefix[-1:])[-1] if prefix else ""
-        return Chain(parent, hot * len(self.geometry.parts))
+        return Chain(parent, hot * self.objects_per_page)
 
     def _staged_put(self, keys, skeys, ptrs, chain: Chain) -> list[bool]:
         # Gathering costs a copy, so skip the leading run that is already stored (the usual case
@@ -248,9 +271,9 @@ class HiCacheMC(HybridPools, HiCacheStorage):
 
     def _pages(self, ok, n: int) -> list[bool]:
         ok = list(ok)
-        if len(ok) != n * len(self.geometry.parts):
+        if len(ok) != n * self.objects_per_page:
             raise RuntimeError(f"store answered {len(ok)} results for {n} pages")
-        return fold_parts(ok, len(self.geometry.parts))
+        return fold_parts(ok, self.objects_per_page)
 
     # ------------------------------------------------------------------ flat-page (legacy) path
     # A flat page (get_data_page(flat=True)) is its part objects end to end, so these calls share
@@ -316,18 +339,20 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             if t.numel() * t.element_size() != geo.page_bytes:
                 raise ValueError(f"flat page of {t.numel() * t.element_size()} B; "
                                  f"this pool's pages are {geo.page_bytes} B")
-            offset = 0
-            for size in geo.part_bytes:
-                ptrs.append(t.data_ptr() + offset)
-                sizes.append(size)
-                offset += size
+            groups = self.heads.count       # a part is [heads ...]: a group is a slice of it
+            for g in range(groups):
+                offset = 0
+                for size in geo.part_bytes:
+                    ptrs.append(t.data_ptr() + offset + g * (size // groups))
+                    sizes.append(size // groups)
+                    offset += size
         return ptrs, sizes
 
     # ------------------------------------------------------------------ admin
 
     def clear(self) -> None:
         """Remove this deployment's pages (its KV and side-pool namespaces only) from the store."""
-        spaces = [self.namespace] + [p.namespace for p in self.side_pools.values()]
+        spaces = [*self.spaces] + [p.namespace for p in self.side_pools.values()]
         for ns in filter(None, spaces):
             try:
                 removed = self.client.clear(prefix=f"{ns}/")

@@ -189,7 +189,7 @@ class HybridPools:
         kv_parts = 0
         if not self.logical_anchor:
             query += self._keys(keys)
-            kv_parts = len(self.geometry.parts)
+            kv_parts = self.objects_per_page
         spans: list[_Span] = []
         for t in transfers:
             side = self.side_pools.get(str(t.name))

@@ -77,7 +77,9 @@ class DecodeRank:
         self.allocator = PagedTokenToKVPoolAllocator(device_tokens, page_size, dtype, "cpu",
                                                      self.device, need_sort=False)
         self.rows = ReqToTokenPool(8, device_tokens, "cpu", False)
-        with get_parallel().override(tp_rank=tp_rank, tp_size=tp_size), cpu_host_pools():
+        ranks = dict(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank,
+                     attn_tp_size=tp_size, moe_tp_size=tp_size)   # a consistent TP-only layout
+        with get_parallel().override(**ranks), cpu_host_pools():
             self.manager = DecodeKVCacheOffloadManager(self.rows, self.allocator, None, None)
         self.host = self.manager.decode_host_mem_pool
         self.host.backup_from_device_all_layer_physical = self._device_to_host

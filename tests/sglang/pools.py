@@ -44,12 +44,17 @@ def mla_host(layout: str, dtype=torch.bfloat16, page_size: int = 16, layers: int
 
 
 def storage_config(master: str, *, model: str = "test/llama", mla: bool = False, tp_rank: int = 0,
-                   tp_size: int = 1, layout: str = "page_first", **extra) -> HiCacheStorageConfig:
-    """What HiCacheController._generate_storage_config builds, for one rank."""
+                   tp_size: int = 1, layout: str = "page_first", tp_lcm_size: int | None = None,
+                   **extra) -> HiCacheStorageConfig:
+    """What HiCacheController._generate_storage_config builds, for one rank (it pops
+    ``tp_lcm_size`` from the extra config into the config, and splits heads as below)."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
-        model_name=model, extra_config={**DYNAMIC, "master": master, "timeout_s": 2.0, **extra})
+        model_name=model, tp_lcm_size=tp_lcm_size,
+        should_split_heads=bool(tp_lcm_size) and not mla and layout == "page_head"
+        and tp_lcm_size > tp_size,
+        extra_config={**DYNAMIC, "master": master, "timeout_s": 2.0, **extra})
 
 
 def make_backend(pool, master: str, *, mla: bool = False, **kw):

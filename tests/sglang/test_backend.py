@@ -298,7 +298,7 @@ def test_backups_name_their_chain_and_hot_pages_get_copies(tmp_path):
         # SGLang backs a chain up in calls, each with the page hashes before it (prefix_keys)
         assert backend.batch_set_v1(hashes[:4], src[:per], HiCacheStorageExtraInfo([])) == [True] * 4
         assert backend.batch_set_v1(hashes[4:], src[per:], HiCacheStorageExtraInfo(hashes[:4])) == [True] * 4
-        keys = batch_page_keys(backend.namespace, hashes, backend.geometry.parts)
+        keys = batch_page_keys(backend.spaces[0], hashes, backend.geometry.parts)
         where = [e[0] for e in request(c.master, P.LocateRequest(keys)).located()]
         assert len(set(where)) == 1, where          # the whole chain on one node
         stats = request(c.master, P.StatsRequest()).stats

@@ -60,16 +60,31 @@ def closing():
         o.close()
 
 
+def heads(kv: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    h = Shape.heads // tp
+    return kv[..., rank * h:(rank + 1) * h, :]
+
+
+@pytest.mark.parametrize("layout, decode_tp, lcm", [("page_first", 1, None),
+                                                     ("page_head", 2, 2)],
+                         ids=["same-tp", "decode-tp2-prefill-tp1"])
 def test_second_turn_prefill_loads_prompt_and_answer_from_the_l3(shared_store, decode_args,
-                                                                  closing):
+                                                                  closing, layout, decode_tp,
+                                                                  lcm):
     ps = Shape.page_size
-    decode_args()
-    decode = DecodeRank(page_size=ps, layers=Shape.layers, heads=Shape.heads,
-                        head_dim=Shape.head_dim)
-    closing(decode)
-    prefill_a = ControllerRig(shared_store.master, page_size=ps, layers=Shape.layers,
-                              heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL)
-    closing(prefill_a)
+    decode_args(layout=layout)
+    ranks = [DecodeRank(page_size=ps, layers=Shape.layers, heads=Shape.heads // decode_tp,
+                        head_dim=Shape.head_dim, tp_rank=r, tp_size=decode_tp)
+             for r in range(decode_tp)]
+    for rank in ranks:
+        closing(rank)
+
+    def prefill() -> ControllerRig:     # a TP-1 prefill instance
+        rig = ControllerRig(shared_store.master, layout=layout, page_size=ps, layers=Shape.layers,
+                            heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL,
+                            **({"tp_lcm_size": lcm} if lcm else {}))
+        closing(rig)
+        return rig
     rid = next(_rid)
     prompt, answer = tokens(5 * ps + 7, rid), tokens(3 * ps + 4, rid + 1)
     kv = true_kv(len(prompt) + len(answer), seed=rid)
@@ -77,20 +92,19 @@ def test_second_turn_prefill_loads_prompt_and_answer_from_the_l3(shared_store, d
 
     # turn 1: prefill A computes the prompt and backs its whole pages up; decode takes the
     # prompt's KV and decodes the answer, offloading it page by page as it goes
-    assert prefill_a.backup(prompt[:aligned], seed=0, kv=kv[:, :aligned]) == aligned
-    req = decode.admit(f"r{rid}", prompt, kv[:, :len(prompt)])
-    for i in range(len(answer)):
-        decode.decode(req, [answer[i]], kv[:, len(prompt) + i:len(prompt) + i + 1])
-        decode.offload(req)
+    assert prefill().backup(prompt[:aligned], seed=0, kv=kv[:, :aligned]) == aligned
+    for r, rank in enumerate(ranks):
+        req = rank.admit(f"r{rid}", prompt, heads(kv, r, decode_tp)[:, :len(prompt)])
+        for i in range(len(prompt), len(prompt) + len(answer)):
+            rank.decode(req, [answer[i - len(prompt)]], heads(kv, r, decode_tp)[:, i:i + 1])
+            rank.offload(req)
     # the decode offloads output_ids[:-1] from the prompt's last whole page, in whole pages
     offloaded = (len(prompt) + len(answer) - 1 - aligned) // ps * ps
     assert offloaded >= 3 * ps                     # the answer's pages, the prompt's tail too
 
     # turn 2, on another prefill instance: the prompt is turn 1's prompt, answer and a new
     # message; every page of turn 1 comes from the L3, byte for byte
-    prefill_b = ControllerRig(shared_store.master, page_size=ps, layers=Shape.layers,
-                              heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL)
-    closing(prefill_b)
+    prefill_b = prefill()
     turn2 = prompt + answer + tokens(2 * ps, rid + 2)
     res = prefill_b.prefetch(turn2)
     assert res["loaded"] == aligned + offloaded
