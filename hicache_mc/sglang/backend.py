@@ -35,7 +35,7 @@ from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
 from .settings import load_settings
-from .staging import ChunkStager, fold_parts
+from .staging import ChunkStager, Staging, fold_parts
 
 logger = logging.getLogger("hicache_mc.sglang")
 
@@ -57,6 +57,8 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self.heads = HeadGroups(storage_config.tp_size, storage_config.tp_rank, 1)
         self.spaces: tuple[str, ...] = ()   # one namespace per head group (heads.py)
         self._stager: Optional[ChunkStager] = None
+        # layer_first pools' (KV and side) staging, per thread
+        self.staging = Staging(self._register, self._unregister)
         self.side_pools: dict = {}          # v2 side pools by name (hybrid.py)
         self.logical_anchor = False
         self._said_no_prefix = False        # hot_pages without SGLang's prefix keys: said once
@@ -93,7 +95,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         self.heads = head_groups(self.storage_config, mem_pool_host, geo.layout,
                                  bool(self.storage_config.is_mla_model))
         if not geo.zero_copy:
-            self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
+            self._stager = ChunkStager([mem_pool_host.kv_buffer], geo, self.staging)
         self.geometry = geo
         self.spaces = tuple(self._namespace(mem_pool_host, geo, self.heads.size, rank)
                             for rank in self.heads.ranks)
@@ -120,6 +122,16 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             register(ptr, size)
         except Exception as exc:
             self.episodes.failed("register_buffer", exc)
+
+    def _unregister(self, ptr: int) -> None:
+        """Undo ``_register`` before that memory is freed."""
+        unregister = getattr(self.client, "unregister_buffer", None)
+        if unregister is None:
+            return
+        try:
+            unregister(ptr)
+        except Exception as exc:
+            self.episodes.failed("unregister_buffer", exc)
 
     def _namespace(self, pool, geo: PageGeometry, tp_size: int, tp_rank: int) -> str:
         # One derivation for this adapter and the GPU-direct path (hicache_mc.direct), so a page

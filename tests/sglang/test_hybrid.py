@@ -116,7 +116,7 @@ def test_deepseek_v4_pools_under_a_logical_anchor(shared_store):
                                                                 PoolName.DEEPSEEK_V4_C128: c128},
                                   mla=True)
     assert backend.logical_anchor
-    assert len(backend.side_pools["deepseek_v4_c128"].geo.parts) == 2   # one object per layer
+    assert len(backend.side_pools["deepseek_v4_c128"].geo.parts) == 1   # its layers: one object
     keys = page_hashes(3, 64)
     src, dst = shuffled_slots(anchor, 3, 1), shuffled_slots(anchor, 3, 2)   # V4 pools share
     for pool in (c4, c128):                                                 # the anchor's slots
