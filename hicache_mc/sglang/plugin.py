@@ -4,7 +4,7 @@
 SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group before it parses its
 arguments, in the launching process and again in each scheduler process (``load_plugins``, then
 ``HookRegistry.apply_hooks``). hicache-mc declares ``load`` there (pyproject.toml). It registers
-both backends with SGLang's factories and four hooks, each a pass-through for other backends:
+both backends with SGLang's factories and five hooks, each a pass-through for other backends:
 
 - ``ServerArgs.add_cli_args``: ``hicache_mc`` joins the choices of both flags (closed lists).
 - ``StorageBackendFactory._create_builtin_backend``: builds ``HiCacheMC(storage_config, {})``;
@@ -17,6 +17,10 @@ both backends with SGLang's factories and four hooks, each a pass-through for ot
   per rank where each rank holds its own bytes (``SidePool.shared_by_tp`` False: Mamba state,
   MHA pools such as an EAGLE draft over an MLA target), so every rank backs those up; else the
   other ranks would miss that pool and SGLang, taking the minimum over ranks, every hit.
+- ``HybridCacheController.attach_storage_backend``: SGLang registers the side pools after the
+  base attach has started the storage threads, outside that attach's rollback; a pool HiCacheMC
+  refuses would leave the controller attached with its threads running. The hook detaches
+  before the error goes up, so SGLang is attached fully or not at all.
 
 Settings: the KV backend reads ``--hicache-storage-backend-extra-config`` (JSON or ``@file``,
 parsed by SGLang) over ``HICACHE_MC_*``; the embedding store, which SGLang creates without
@@ -32,7 +36,9 @@ HOOKS = ("sglang.srt.server_args.ServerArgs.add_cli_args",
          "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend",
          "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend",
          "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
-         ".should_backup")
+         ".should_backup",
+         "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+         ".attach_storage_backend")
 _hooks_registered = False
 
 
@@ -54,9 +60,10 @@ def load() -> None:
     if _hooks_registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy, _backup_per_rank),
+    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy, _backup_per_rank,
+                                          _attach_or_roll_back),
                                   (HookType.AFTER, HookType.AROUND, HookType.AFTER,
-                                   HookType.AROUND)):
+                                   HookType.AROUND, HookType.AROUND)):
         HookRegistry.register(target, hook, kind)
     _hooks_registered = True
 
@@ -90,3 +97,13 @@ def _backup_per_rank(original, controller, transfer) -> bool:
     from .hybrid import HybridPools
     return isinstance(controller.storage_backend, HybridPools) and side is not None \
         and not side.shared_by_tp
+
+
+def _attach_or_roll_back(original, controller, *args, **kwargs):
+    try:
+        return original(controller, *args, **kwargs)
+    except Exception:
+        from .hybrid import HybridPools
+        if controller.enable_storage and isinstance(controller.storage_backend, HybridPools):
+            controller.detach_storage_backend()     # threads stopped, HiCacheMC closed
+        raise

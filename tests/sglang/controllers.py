@@ -95,7 +95,8 @@ class ControllerRig:
                  hybrid: bool = True, dtype=torch.bfloat16, page_size: int = 16, layers: int = 3,
                  heads: int = 2, head_dim: int = 32, device_tokens: int = 256,
                  host_ratio: float = 2.0, threshold: Optional[int] = None,
-                 side: Optional[dict] = None, model: str = "test/controller", **extra):
+                 side: Optional[dict] = None, model: str = "test/controller",
+                 attach: bool = True, **extra):
         self.page_size = page_size
         if kind == "mla":
             self.device = MLATokenToKVPool(
@@ -118,10 +119,12 @@ class ControllerRig:
                 write_back_staging=getattr(self.device, "hicache_write_back_staging", None))
         allocator = PagedTokenToKVPoolAllocator(device_tokens, page_size, dtype, "cpu",
                                                 self.device, need_sort=False)
-        config = {**DYNAMIC, "master": master, "timeout_s": 2.0, **extra}
+        self.config = {**DYNAMIC, "master": master, "timeout_s": 2.0, **extra}
+        # attach=False: no storage at start (SGLang's runtime attach adds it later)
         common = dict(write_policy="write_through", io_backend="direct",
-                      storage_backend="dynamic", prefetch_threshold=threshold or page_size,
-                      model_name=model, storage_backend_extra_config=config)
+                      storage_backend="dynamic" if attach else None,
+                      prefetch_threshold=threshold or page_size,
+                      model_name=model, storage_backend_extra_config=dict(self.config))
         self.hybrid = hybrid
         if hybrid:   # what the prefill-side UnifiedRadixCache builds (build_kv_only_stack)
             # ``side`` ({PoolName: host pool}) adds hybrid side pools (Mamba state, SWA) to the
@@ -139,7 +142,7 @@ class ControllerRig:
             self.ctl = HiCacheController(allocator, self.host, page_size, None, threading.Event(),
                                          **common)
         self.backend = self.ctl.storage_backend
-        self.log = CallLog(self.backend)
+        self.log = CallLog(self.backend) if attach else None
         self.expected: dict[str, torch.Tensor] = {}      # page hash -> bytes written
         self._rid = 0
 
