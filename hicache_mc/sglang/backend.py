@@ -373,8 +373,12 @@ class HiCacheMC(HybridPools, HiCacheStorage):
                 self.episodes.failed("clear", exc)
 
     def get_stats(self):
-        """SGLang StorageMetrics since the last call (pages and GB/s per batch)."""
+        """SGLang StorageMetrics since the last call (KV pages and GB/s per batch)."""
         return self.metrics.drain()
+
+    def traffic(self) -> dict:
+        """Pages and bytes per pool since start (``kv``, and each side pool apart)."""
+        return self.metrics.traffic()
 
     def close(self) -> None:
         """Release the client's sockets and mappings; the stored pages stay."""

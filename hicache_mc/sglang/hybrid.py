@@ -190,10 +190,11 @@ class HybridPools:
         self._record_sides([(side, io)], results, load, time.perf_counter() - start)
 
     def _record_sides(self, batch: list, results: dict, load: bool, seconds: float) -> None:
-        # SGLang's StorageMetrics: side-pool pages beside the KV pages the v1 calls record
-        moved = sum(sum(results[io.name]) for _, io in batch)
-        nbytes = sum(sum(results[io.name]) * side.geo.page_bytes for side, io in batch)
-        self.metrics.record("prefetch" if load else "backup", moved, nbytes, seconds)
+        # per pool, apart from the KV pages (SGLang's StorageMetrics count those only)
+        for side, io in batch:
+            moved = sum(results[io.name])
+            self.metrics.record("prefetch" if load else "backup", moved,
+                                moved * side.geo.page_bytes, seconds, pool=str(side.name))
 
     # ------------------------------------------------------------------ lookup
 
