@@ -229,6 +229,14 @@ class StoreClient(WritePath):
             return found
         return self._guard(run, [False] * len(keys))
 
+    def contains_cached(self, keys: Sequence[str]) -> Optional[list[bool]]:
+        """Per key, from the residency view alone: is it stored? None when the view cannot
+        answer (off, or not in sync); never a round trip, so a caller may ask in passing."""
+        keys = check_keys(keys)
+        if self.view is None or not keys:
+            return None if self.view is None else []
+        return self.view.contains(keys)
+
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes). False = miss."""
         keys, ptrs, sizes = check_batch(keys, ptrs, sizes)

@@ -34,6 +34,7 @@ from .hits_v2 import leading
 from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
+from .orphans import OrphanCount
 from .settings import load_settings
 from .staging import ChunkStager, Staging, fold_parts
 
@@ -52,6 +53,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             self.client_config = dataclasses.replace(self.client_config, view="on")
         self.client = StoreClient(config=self.client_config)
         self.metrics = BatchMetrics()
+        self.orphans = OrphanCount()
         self.episodes = EpisodeLog()
         self.geometry: Optional[PageGeometry] = None
         self.heads = HeadGroups(storage_config.tp_size, storage_config.tp_rank, 1)
@@ -169,13 +171,22 @@ class HiCacheMC(HybridPools, HiCacheStorage):
                                                                        self.heads.count)
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
 
-    def _stored_pages(self, keys: list[str], n: int) -> int:
-        """Pages stored, counted from the first: one namespace is one view lookup; the head
-        groups of several are answered per key."""
-        per = self.objects_per_page
+    def _stored_pages(self, page_hashes: List[str], keys: list[str]) -> int:
+        """Pages stored, counted from the first (one namespace: one view lookup, or Exists; the
+        head groups of several: per key); those stored behind the first missing page are
+        counted as orphans (orphans.py)."""
+        per, pages = self.objects_per_page, len(page_hashes)
         if len(self.spaces) == 1:
-            return max(0, min(n, int(self.client.batch_exists(keys)) // per))
-        return leading(fold_parts(self.client.batch_contains(keys), per))
+            n = max(0, min(pages, int(self.client.batch_exists(keys)) // per))
+            behind = self.client.contains_cached(keys[(n + 1) * per:]) if n + 1 < pages else None
+        else:
+            found = list(self.client.batch_contains(keys))
+            n = leading(fold_parts(found, per))
+            behind = found[(n + 1) * per:]
+        if behind:
+            flags = fold_parts(behind, per)
+            self.orphans.observe([h for h, f in zip(page_hashes[n + 1:], flags) if f])
+        return n
 
     # ------------------------------------------------------------------ zero-copy path
 
@@ -185,7 +196,7 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         if not keys or self.geometry is None:
             return 0
         try:
-            n = self._stored_pages(self._keys(keys), len(keys))
+            n = self._stored_pages(list(keys), self._keys(keys))
             self.episodes.ok("batch_exists")
             return n
         except Exception as exc:

@@ -235,7 +235,7 @@ class HybridPools:
         present = list(self.client.batch_contains(query)) if query else []
         if len(present) != len(query):
             raise RuntimeError(f"store answered {len(present)} flags for {len(query)} keys")
-        kv_pages = n if self.logical_anchor else leading(fold_parts(present[:n * kv_parts], kv_parts))
+        kv_pages = self._kv_run(keys, present, kv_parts)
         pools = []
         for sp in spans:
             t = sp.transfer
@@ -249,6 +249,16 @@ class HybridPools:
         self.episodes.ok("batch_exists_v2")
         return PoolTransferResult(verdict.kv_hit_pages, verdict.pool_hit_pages,
                                   verdict.restorable)
+
+    def _kv_run(self, keys: list, present: list, per: int) -> int:
+        """The leading run of stored KV pages (a logical anchor: all); the pages stored behind
+        it are orphans (orphans.py)."""
+        if self.logical_anchor:
+            return len(keys)
+        flags = fold_parts(present[:len(keys) * per], per)
+        run = leading(flags)
+        self.orphans.observe([h for h, f in zip(keys[run + 1:], flags[run + 1:]) if f])
+        return run
 
 
 def _tp_sharded(pool, name) -> bool:

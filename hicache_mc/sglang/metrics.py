@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("hicache_mc.sglang")
 
@@ -45,17 +46,25 @@ _prometheus = None
 _prometheus_lock = threading.Lock()
 
 
-def prometheus_counters():
-    """The process's pages and bytes counters (created once: prometheus_client refuses a name
-    twice in its registry, and several backends live in one process)."""
+class Counters(NamedTuple):
+    pages: Any        # labels pool, op
+    bytes: Any        # labels pool, op
+    orphans: Any      # no labels: orphans.py
+
+
+def prometheus_counters() -> Counters:
+    """The process's counters (created once: prometheus_client refuses a name twice in its
+    registry, and several backends live in one process)."""
     global _prometheus
     with _prometheus_lock:
         if _prometheus is None:
             from prometheus_client import Counter
-            _prometheus = (
+            _prometheus = Counters(
                 Counter("hicache_mc_sglang_pages", "Pages moved between SGLang's host pools and "
                         "the L3, per pool (kv or a side pool) and op", ["pool", "op"]),
-                Counter("hicache_mc_sglang_bytes", "Bytes of those pages", ["pool", "op"]))
+                Counter("hicache_mc_sglang_bytes", "Bytes of those pages", ["pool", "op"]),
+                Counter("hicache_mc_sglang_orphan_pages", "KV pages a lookup found stored behind "
+                        "a page that is not (unreachable until that page is stored again)"))
         return _prometheus
 
 
@@ -77,7 +86,8 @@ class BatchMetrics:
         self._cls = None
         self._lists = self._empty()
         self._traffic: dict[str, PoolTraffic] = {}
-        self._pages, self._bytes = prometheus_counters()
+        counters = prometheus_counters()
+        self._pages, self._bytes = counters.pages, counters.bytes
 
     @staticmethod
     def _empty() -> dict[str, list]:

@@ -1,6 +1,7 @@
 """The residency view (client/view.py) against a real master and node: it answers lookups
 locally once in sync, follows puts, clears, node expiry and a master restart, resyncs after a
 lost update, keeps read-your-writes, and never holds a caller past its deadline."""
+import signal
 import time
 
 import pytest
@@ -76,6 +77,24 @@ def test_view_answers_locally_and_follows_puts_and_clears(cluster):
         # every lookup above came from the view: the master answered none of them
         assert exists_calls(w) == before
         assert r.view.counters["view_answers"] > answers + 3
+
+
+def test_contains_cached_answers_from_the_view_or_not_at_all(cluster):
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r, \
+            StoreClient(cluster.master, view="off") as off:
+        assert w.put(key("cc"), b"x")
+        assert off.contains_cached([key("cc")]) is None         # no view: no answer
+        before = exists_calls(w), w.stats()["cluster"]["locate_calls"]
+        assert r.contains_cached([key("cc"), key("nope")]) is None    # not in sync yet
+        follow(r)
+        wait(lambda: r.contains_cached([key("cc"), key("nope")]) == [True, False],
+             what="put seen")
+        cluster.master_proc.pause()                            # a silent master: out of sync
+        try:
+            wait(lambda: r.contains_cached([key("cc")]) is None, what="view gave up")
+        finally:
+            cluster.master_proc.kill(signal.SIGCONT)
+        assert (exists_calls(w), w.stats()["cluster"]["locate_calls"]) == before
 
 
 def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):

@@ -2,9 +2,12 @@
 DecodeKVCacheOffloadManager) are the next turn's prefill hits, on any prefill instance."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
+from sglang.srt.mem_cache.utils import get_hash_str
 
 from controllers import ControllerRig, clear_layout, single_rank_layout
 from decode_offload import DecodeRank, one_rank_group, server_args
@@ -111,3 +114,50 @@ def test_second_turn_prefill_loads_prompt_and_answer_from_the_l3(shared_store, d
     assert torch.equal(read_token_kv(prefill_b.host, res["indices"][:res["loaded"]]),
                        kv[:, :res["loaded"]])
     prefill_b.release(res)
+
+
+def test_answer_pages_behind_a_missing_prompt_are_orphans_until_a_prefill_stores_it(
+        shared_store, decode_args, closing):
+    ps = Shape.page_size
+    decode_args()
+    decode = DecodeRank(page_size=ps, layers=Shape.layers, heads=Shape.heads,
+                        head_dim=Shape.head_dim)
+    closing(decode)
+
+    def prefill() -> ControllerRig:
+        rig = ControllerRig(shared_store.master, page_size=ps, layers=Shape.layers,
+                            heads=Shape.heads, head_dim=Shape.head_dim, model=MODEL)
+        closing(rig)
+        return rig
+    rid = next(_rid)
+    prompt, answer = tokens(4 * ps, rid), tokens(3 * ps + 1, rid + 1)
+    kv = true_kv(len(prompt) + len(answer) + 2 * ps, seed=rid)
+    # turn 1: the prompt's pages are not in the L3 (evicted, or never backed up); the decode
+    # offloads its answer all the same, chained from the prompt
+    req = decode.admit(f"r{rid}", prompt, kv[:, :len(prompt)])
+    decode.decode(req, answer, kv[:, len(prompt):len(prompt) + len(answer)])
+    decode.offload(req)
+    answer_pages = len(answer) // ps
+
+    # turn 2's lookup stops at the first prompt page: the answer pages are orphans, counted once
+    prefill_b = prefill()
+    turn2 = prompt + answer + tokens(2 * ps, rid + 2)
+    hashes = list(get_hash_str(turn2, None, page_size=ps))
+    deadline = time.monotonic() + 10            # B's residency view learns the decode's writes
+    while prefill_b.backend.batch_exists(hashes) == 0 and \
+            prefill_b.backend.orphans.total < answer_pages:
+        assert time.monotonic() < deadline, "the orphans were never seen"
+        time.sleep(0.01)
+    assert prefill_b.backend.orphans.total == answer_pages
+    assert prefill_b.prefetch(turn2)["loaded"] == 0
+    assert prefill_b.backend.orphans.total == answer_pages
+
+    # B computes turn 2 and backs its pages up (write_through): the chain is whole again, and
+    # the next prefill loads the prompt, the answer the decode stored, and the new message
+    aligned = len(turn2) // ps * ps
+    assert prefill_b.backup(turn2[:aligned], seed=0, kv=kv[:, :aligned]) == aligned
+    prefill_c = prefill()
+    res = prefill_c.prefetch(turn2)
+    assert res["loaded"] == aligned
+    assert torch.equal(read_token_kv(prefill_c.host, res["indices"][:aligned]), kv[:, :aligned])
+    prefill_c.release(res)
