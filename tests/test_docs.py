@@ -25,6 +25,8 @@ NOT_RUN = {
     "Qwen/Qwen2.5-VL": "SGLang's server: a GPU and a model",
     "--tp-size 4 --hicache-mem-layout page_head": "SGLang's servers at two TP sizes: GPUs and a "
                                                   "model (tests/sglang/test_heads.py)",
+    "--disaggregation-mode decode": "SGLang's prefill and decode servers: GPUs and a model "
+                                    "(tests/sglang/test_pd.py runs their managers)",
     "hicache_mc.sglang.kv_events": "a bridge that runs until stopped, for a master on another "
                                    "host (tests/sglang/test_kv_events.py runs it)",
 }
