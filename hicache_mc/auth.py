@@ -232,6 +232,11 @@ class Guard:
             self._keys.popitem(last=False)
         return p
 
+    def known(self, ident: bytes) -> Optional[Principal]:
+        """The principal the connection ``ident`` proved (None: none yet, or forgotten)."""
+        known = self._known.get(ident)
+        return None if known is None else known[1]
+
     def verified(self, user: Optional[str]) -> Optional[Principal]:
         """The principal that the CURVE key ``user`` proved in a request on this server's ROUTER
         (a lookup: nothing is derived for a key never seen there), or None."""

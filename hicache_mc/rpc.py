@@ -1,16 +1,7 @@
-"""Request/reply over ZeroMQ: the one control wire of the master and the nodes.
+"""Request/reply over ZeroMQ: the volatile side of the control wire (the stable side, the
+master's and each node's ``Service``, is in server.py).
 
-``Service``: the stable side. One ROUTER bound to one address (secured by ``auth.Guard``), one
-thread, every receive under a poll timeout, a ``tick`` hook for timers, dispatch to
-``on_<Verb>Request(msg, ident, req_id)`` methods, which return the reply (or None when they
-answer later with ``reply``). Before a request is decoded its sender's principal is checked
-(``Guard.principal``); a request type its role may not send (``roles``) is refused, and the
-handler sees the principal as ``self.peer``. Each loop turn reads every message waiting (up to ``DRAIN``)
-and handles the types in ``first`` before the others: the master applies its nodes' reports
-before the lookups that arrived with them. Malformed messages, unknown types and wrong
-versions get an ``ErrorReply``; the loop keeps going.
-
-``Channel``: the volatile side (Lazy Pirate). A DEALER that tags each request with an id and
+``Channel`` (Lazy Pirate): a DEALER that tags each request with an id and
 waits for the matching reply under a deadline; on a timeout or a lost connection it closes,
 and the next call connects anew, so a restarted server is picked up and stale replies are
 dropped. ZeroMQ's own reconnecting is off: a channel watches its socket's monitor
@@ -23,256 +14,20 @@ requests may be in flight; replies are taken in any order. Not thread-safe: one 
 """
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
-import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import zmq
 
 from . import protocol as P
-from .auth import Principal, Guard, credential, secure_client
+from .auth import credential, secure_client
 from .errors import Misconfigured, ProtocolError, StoreUnavailable
-from .keys import foreign_key
 from .link import Down, Link, monitor  # noqa: F401  (monitor: for the view)
-from .metrics import Exposition, Histogram, MetricsServer
+from .server import CLIENTS, Service, exposed_without_token, host_of  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-# Messages a service reads in one loop turn before handling them (node reports first): enough
-# for every peer of a busy master to have one request in, few enough to keep a turn short; and
-# at most DRAIN_BYTES of them held at once (a MAX_KEYS lookup is ~11 MiB).
-DRAIN = 256
-DRAIN_BYTES = 32 << 20
-READY_STALE_S = 10.0    # /ready fails when the loop has not said it is ready for this long
-
-CLIENTS = ("client", "admin")
-
-
-class Service:
-    """A ROUTER service loop. Subclasses define ``on_<Verb>Request(msg, ident, req_id)``."""
-
-    poll_ms = 50            # wakes the loop at least this often for tick() and the stop flag
-    first: tuple = ()       # message types handled before the others read in the same turn
-    roles: dict[str, tuple[str, ...]] = {}  # request type -> roles that may send it (CLIENTS)
-
-    def __init__(self, bind: str, token: str = "", name: str = "service",
-                 max_frame: int = P.MAX_HEADER_BYTES):
-        self.ctx = zmq.Context()
-        self.guard = Guard(self.ctx, token)
-        self.sock = self.guard.secure(self.ctx.socket(zmq.ROUTER), max_frame)
-        # a peer reconnecting under its routing id (a node after a dropped link) takes it over
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        try:
-            if bind.endswith(":0"):
-                port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-                bind = f"{bind.rsplit(':', 1)[0]}:{port}"
-            else:
-                self.sock.bind(bind)
-        except zmq.ZMQError:
-            self.sock.close(0)
-            self.guard.stop()
-            self.ctx.term()
-            raise
-        self.address = bind
-        self.name = name
-        self.stopping = threading.Event()
-        self._extra: list[tuple[object, Callable[[], None]]] = []
-        self.latency: dict[str, Histogram] = {}     # handling time per request type
-        self.rejected: dict[str, int] = {}          # error replies per code
-        self._poller: Optional[zmq.Poller] = None
-        self._metrics: Optional[MetricsServer] = None
-        self._exposition: Optional[Exposition] = None
-        self.metrics_url = ""       # http://HOST:PORT/metrics while metrics are served
-        self._ready = (False, "starting", time.monotonic())     # (ready, why not, when): /ready
-        self._next_publish = 0.0
-        self._quiet: dict[str, float] = {}
-        self.peer = Principal("admin")      # who sent the request being handled
-        if exposed_without_token(bind, token):
-            log.warning("%s binds %s without a token: anyone who reaches it can read and write "
-                        "the store (set token)", name, bind)
-
-    def enable_metrics(self, host: str, port: int) -> None:
-        """Serve Prometheus metrics on http://host:port/metrics (0 = any free port, -1 = off)."""
-        if port >= 0:
-            self._exposition = Exposition()
-            self._metrics = MetricsServer(host, port, self._exposition.text, self._ready_now)
-            self.metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{self._metrics.port}/metrics"
-            log.info("%s metrics on %s", self.name, self.metrics_url)
-
-    def readiness(self) -> tuple[bool, str]:
-        """Whether the service does its job now, and why not (the metrics port's /ready);
-        asked on the loop thread once a second."""
-        return True, ""
-
-    def _ready_now(self) -> tuple[bool, str]:
-        ok, why, at = self._ready
-        if time.monotonic() - at > READY_STALE_S:
-            return False, f"the {self.name}'s loop has not turned for {READY_STALE_S:.0f} s"
-        return ok, why
-
-    def metric_families(self) -> list:
-        """The service's metric families (built on the loop thread); see hicache_mc/metrics.py."""
-        return []
-
-    def add_socket(self, sock, on_readable: Callable[[], None]) -> None:
-        """Poll another socket or file descriptor in the same loop (the node's channel to
-        the master, the SSD writer's wake-up pipe), from now on, even while the loop runs."""
-        self._extra.append((sock, on_readable))
-        if self._poller is not None:
-            self._poller.register(sock, zmq.POLLIN)
-
-    def tick(self, now: float) -> None:
-        """Called every loop turn; timers live here."""
-
-    def serve_forever(self) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for sock, _ in self._extra:
-            poller.register(sock, zmq.POLLIN)
-        log.info("%s listening on %s", self.name, self.address)
-        while not self.stopping.is_set():
-            try:
-                events = dict(poller.poll(self.poll_ms))
-                if self.sock in events:
-                    self._serve_waiting()
-                for sock, handler in self._extra:
-                    if sock in events:
-                        handler()
-                now = time.monotonic()
-                self.tick(now)
-                if self._metrics is not None and now >= self._next_publish:
-                    self._next_publish = now + 1.0
-                    self._exposition.publish(self.metric_families())
-                    self._ready = (*self.readiness(), now)
-            except zmq.ContextTerminated:
-                break
-            except Exception:  # a bug in one request must not stop the service
-                log.exception("%s: unexpected error in the loop", self.name)
-                time.sleep(0.01)
-        self.close()
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-        self.sock.close(0)
-        for sock, _ in self._extra:
-            if isinstance(sock, zmq.Socket):
-                sock.close(0)
-        self.guard.stop()
-        self.ctx.term()
-
-    def _warn(self, what: str, fmt: str, *args) -> None:
-        """A log line per kind of bad request, at most once a second: a flood stays readable."""
-        now = time.monotonic()
-        if now >= self._quiet.get(what, 0.0):
-            self._quiet[what] = now + 1.0
-            log.warning(fmt, *args)
-
-    def check_tenant(self, keys: list[str]) -> None:
-        """Refuse (``forbidden``) a client's request naming keys outside its own tenant."""
-        if self.peer.role == "client":
-            bad = foreign_key(keys, self.peer.tenant)
-            if bad is not None:
-                raise ProtocolError(f"key {bad[:80]!r} is not in tenant {self.peer.tenant!r}", "forbidden")
-
-    def reply(self, ident: bytes, req_id: int, msg: P.Message) -> None:
-        """Answer the peer ``ident`` (its ZeroMQ routing id)."""
-        self.sock.send_multipart([ident, P.encode(msg, req_id)], copy=False)
-
-    def _serve_waiting(self) -> None:
-        """Read what is waiting, decode it, handle the ``first`` types, then the rest."""
-        batch, held = [], 0
-        for _ in range(DRAIN):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            got = self._decode(frames)
-            if got is not None:
-                batch.append(got)
-            held += sum(len(f.buffer) for f in frames)
-            if held >= DRAIN_BYTES:
-                break
-        if self.first and len(batch) > 1:
-            batch.sort(key=lambda item: not isinstance(item[1].msg, self.first))
-        for ident, decoded, peer in batch:
-            try:
-                self._handle(ident, decoded, peer)
-            except Exception:   # one request's failure must not drop the others read with it
-                log.exception("%s: request failed", self.name)
-
-    def _decode(self, frames: list) -> Optional[tuple[bytes, P.Decoded, Principal]]:
-        ident = frames[0].bytes
-        try:
-            if len(frames) != 2:
-                raise ProtocolError(f"a request is one frame, got {len(frames) - 1}")
-            peer = self.guard.principal(ident, frames[1])
-            if peer is None:
-                raise ProtocolError("the connection's claim does not match its credential",
-                                    "unauthenticated")
-            return ident, P.decode(frames[1]), peer
-        except ProtocolError as exc:
-            self._refuse(ident, getattr(exc, "req_id", 0), exc.code, str(exc))
-            return None
-
-    def _refuse(self, ident: bytes, req_id: int, code: str, text: str) -> None:
-        self._warn(code, "%s: rejected request: %s", self.name, text)
-        self.rejected[code] = self.rejected.get(code, 0) + 1
-        self.reply(ident, req_id, P.ErrorReply(code, text))
-
-    def _handle(self, ident: bytes, decoded: P.Decoded, peer: Principal) -> None:
-        """One request: dispatch, time, reply."""
-        msg, req_id = decoded.msg, decoded.req_id
-        type_name = type(msg).__name__
-        handler = getattr(self, "on_" + type_name, None)
-        if handler is None or not type_name.endswith("Request"):
-            self._refuse(ident, req_id, "unknown_type", f"{self.name} does not serve {type_name}")
-            return
-        if self.guard.token and peer.role not in self.roles.get(type_name, CLIENTS):
-            self._refuse(ident, req_id, "forbidden", f"a {peer.role} may not send {type_name}")
-            return
-        self.peer = peer
-        t0 = time.perf_counter()
-        try:
-            out = handler(msg, ident, req_id)
-        except ProtocolError as exc:
-            self._refuse(ident, req_id, exc.code, str(exc))
-            return
-        except Exception as exc:
-            log.exception("%s: %s failed", self.name, type_name)
-            self.reply(ident, req_id, P.ErrorReply("internal", f"{type(exc).__name__}: {exc}"))
-            return
-        hist = self.latency.get(type_name)
-        if hist is None:
-            hist = self.latency[type_name] = Histogram()
-        hist.observe(time.perf_counter() - t0)
-        if out is not None:
-            self.reply(ident, req_id, out)
-
-
-def host_of(address: str) -> str:
-    """'127.0.0.1' of 'tcp://127.0.0.1:7370'."""
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-
-
-def exposed_without_token(bind: str, token: str) -> bool:
-    """True when a server would listen beyond loopback with no token to check."""
-    if token:
-        return False
-    host = host_of(bind)
-    if host == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:      # a host name or interface name: not provably loopback
-        return True
-
 
 _ids = itertools.count(1)     # request ids, unique in the process
 

@@ -56,11 +56,19 @@ def namespace_of(key: str) -> str:
     return key[:i] if i >= 0 else ""
 
 
-def _groups(keys: list[str]) -> list[tuple[str, list[int]]]:
-    """(namespace, positions of its keys) per namespace. The usual batch has one, checked
-    once: every key between the least and the greatest shares a prefix both have."""
+def _one_namespace(keys: list[str]) -> Optional[str]:
+    """The namespace of every key, or None when they have several. The usual batch has one,
+    checked at C speed: every key between the least and the greatest shares a prefix both have."""
     ns = namespace_of(keys[0])
     if "/" in keys[0] and min(keys).startswith(ns + "/") and max(keys).startswith(ns + "/"):
+        return ns
+    return None
+
+
+def _groups(keys: list[str]) -> list[tuple[str, list[int]]]:
+    """(namespace, positions of its keys) per namespace."""
+    ns = _one_namespace(keys)
+    if ns is not None:
         return [(ns, range(len(keys)))]
     out: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
@@ -149,13 +157,14 @@ class KeyIndex:
         with copies names a live holder, one in ``near`` first (the first holder otherwise)."""
         if not keys:
             return []
-        groups = _groups(keys)
         digests = list(map(xxh3_128_digest, map(str.encode, keys)))
-        if len(groups) == 1:
-            values = list(map(self._ns.get(groups[0][0], _EMPTY).get, digests))
+        ns = _one_namespace(keys)
+        if ns is not None:
+            values = list(map(self._ns.get(ns, _EMPTY).get, digests))
         else:
-            subs = [self._ns.get(namespace_of(k), _EMPTY) for k in keys]
-            values = [sub.get(d) for sub, d in zip(subs, digests)]
+            get = self._ns.get
+            values = [get(k.partition("/")[0] if "/" in k else "", _EMPTY).get(d)
+                      for k, d in zip(keys, digests)]
         if live is not None and self._copies:
             found = list(map(self._copies.get, digests))
             for i, extra in enumerate(found):

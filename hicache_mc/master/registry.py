@@ -46,12 +46,24 @@ class NodeRegistry:
         # node id -> (address, when it expired): nodes that missed their heartbeats and have
         # not registered again, named in stats for LOST_FOR_S (a node removed on purpose ages out)
         self._lost: dict[str, tuple[str, float]] = {}
+        self._by_ident: dict[bytes, NodeState] = {}     # the connection each registered on
 
     def upsert(self, info: NodeInfo, slot: int, ident: bytes = b"") -> NodeState:
         self._lost.pop(info.node_id, None)
+        old = self.nodes.get(info.node_id)
+        if old is not None:
+            self._by_ident.pop(old.ident, None)
         st = NodeState(info, slot, time.monotonic(), ident=ident)
         self.nodes[info.node_id] = st
+        self._by_ident[ident] = st
         return st
+
+    def heard(self, ident: bytes, now: float) -> None:
+        """A message came in on connection ``ident``: the node registered on it is alive, even
+        while the message waits to be handled (liveness is judged by receipt)."""
+        st = self._by_ident.get(ident)
+        if st is not None and st.last_seen < now:
+            st.last_seen = now
 
     def reporter(self, node_id: str, ident: bytes) -> Optional[NodeState]:
         """The node ``node_id`` when ``ident`` is the connection it registered on, else None."""
@@ -71,6 +83,7 @@ class NodeRegistry:
         for st in dead:
             del self.nodes[st.info.node_id]
             self._lost[st.info.node_id] = (st.info.address, now)
+            self._by_ident.pop(st.ident, None)
         return dead
 
     def lost_nodes(self, now: float) -> list[dict]:

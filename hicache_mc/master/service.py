@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from functools import partial
+from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -16,17 +18,21 @@ from .. import __version__, protocol as P
 from ..config import MasterConfig
 from ..metrics import histogram_family
 from ..link import PortProbe, local_address
-from ..rpc import Service
+from ..server import Service
 from .index import SIZE_MASK, KeyIndex, NodeSlots
+from . import slices
+from .namespaces import NamespaceCounts
 from .publisher import Publisher
 from . import placement
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
 
-MAX_NAMESPACES = 1000   # per-namespace counters kept; the rest are summed under "(other)"
 FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its fence names
-MAX_PARKED = 10000      # lookups waiting on fences; beyond this they are answered at once
+# lookups waiting on fences, and their keys: beyond either they are answered at once (a fence
+# names any seq the client likes, so it could otherwise park MAX_KEYS-key lookups without end)
+MAX_PARKED = 10000
+MAX_PARKED_KEYS = 1 << 20
 
 
 class MasterService(Service):
@@ -55,10 +61,11 @@ class MasterService(Service):
                          "fence_waits": 0,
                          "snapshots": 0}
         self._next_expiry = 0.0
-        self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
+        self.by_namespace = NamespaceCounts()
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
-        # lookups whose fence is ahead of the master: (give up at, handler, msg, ident, req_id)
+        # lookups whose fence is ahead of the master: (give up at, task, what answers it)
         self._parked: list[tuple] = []
+        self._parked_keys = 0
         self.publisher = None       # residency updates (master/publisher.py), unless turned off
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
         if config.publish_port >= 0:
@@ -79,14 +86,18 @@ class MasterService(Service):
             self._parked = [p for p in self._parked if p[0] > now]
             log.warning("%d lookups waited %.1fs for commits the master has not seen; answered "
                         "without them", len(late), FENCE_WAIT_S)
-            for _, handler, msg, ident, req_id in late:
-                self._answer(handler, msg, ident, req_id)
+            for _, task, resume in late:
+                self._answer(task, resume)
         if now >= self._next_expiry:
             self._expire(now)
         if self.publisher is not None:
             self.publisher.flush(self.index.journal, self._node_marks, self._moved, now,
                                  self.index.key_journal)
             self._moved = {}
+
+    def received(self, ident: bytes, peer, now: float) -> None:
+        # a node's heartbeat read in a turn counts from then, however long the turn's work
+        self.registry.heard(ident, now)
 
     def _node_marks(self) -> dict:
         """Each live node's reports applied: node id -> [segment, seq] (a residency beat)."""
@@ -113,45 +124,57 @@ class MasterService(Service):
                 return True
         return False
 
-    def _park(self, handler, msg, ident, req_id) -> bool:
-        """Hold a lookup whose fence is ahead (True); it is answered when the commits arrive."""
-        if not msg.after:
+    def _park(self, msg, resume: Callable) -> bool:
+        """Hold the lookup being handled when its fence is ahead (True): once the commits
+        arrive, or after FENCE_WAIT_S, ``resume()`` gives its answer (or the work of it)."""
+        if not msg.after or not self._behind(msg.after) or len(self._parked) >= MAX_PARKED or \
+                self._parked_keys + len(msg.keys) > MAX_PARKED_KEYS:
             return False
-        if not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
-            return False
-        self._parked.append((time.monotonic() + FENCE_WAIT_S, handler, msg, ident, req_id))
+        self._parked.append((time.monotonic() + FENCE_WAIT_S, self.task, resume))
+        self._parked_keys += len(msg.keys)
         self.counters["fence_waits"] += 1
         return True
 
-    def _answer(self, handler, msg, ident, req_id) -> None:
-        try:
-            reply = handler(msg, ident, req_id, fenced=True)
-        except Exception as exc:
-            log.exception("master: a parked lookup failed")
-            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
-        self.reply(ident, req_id, reply)
+    def _answer(self, task, resume: Callable) -> None:
+        """A parked lookup goes back to the backlog, to be answered as things stand now."""
+        self._parked_keys -= len(task.msg.keys)
+        self.resume(task, resume())
 
     def _unpark(self) -> None:
         """Answer the parked lookups whose fences the commits just applied satisfy."""
-        ready = [p for p in self._parked if not self._behind(p[2].after)]
+        ready = [p for p in self._parked if not self._behind(p[1].msg.after)]
         if ready:
-            self._parked = [p for p in self._parked if self._behind(p[2].after)]
-            for _, handler, msg, ident, req_id in ready:
-                self._answer(handler, msg, ident, req_id)
+            self._parked = [p for p in self._parked if self._behind(p[1].msg.after)]
+            for _, task, resume in ready:
+                self._answer(task, resume)
 
     # -------------------------------------------------------------- clients
+
+    def call(self, handler, msg, ident, req_id):
+        """A wide request is worked in slices (slices.py), its fence checked once for all and
+        each slice's keys checked as they come."""
+        if not slices.wide(msg):
+            return handler(msg, ident, req_id)
+        if isinstance(msg, P.PlaceRequest):
+            return slices.run(msg, lambda part: handler(part, ident, req_id))
+        work = partial(slices.run, msg, partial(self._slice, handler, ident, req_id))
+        return None if self._park(msg, work) else work()
+
+    def _slice(self, handler, ident, req_id, part):
+        self.check_tenant(part.keys)
+        return handler(part, ident, req_id, fenced=True)
 
     def on_ExistsRequest(self, msg: P.ExistsRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_ExistsRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["exists_calls"] += 1
         found, where = self._locate(msg.keys, stop_at_miss=True, near=msg.near, avoid=msg.avoid)
         # the probe's run is what a get will read (it skips Locate): count it like Locate does
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
-        self._count_namespaces(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
+        self.by_namespace.count(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
         return P.ExistsReply(found, *where)
 
     def _locate(self, keys: list[str], stop_at_miss: bool, near: str = "", avoid=()):
@@ -184,46 +207,23 @@ class MasterService(Service):
     def on_ContainsRequest(self, msg: P.ContainsRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_ContainsRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_ContainsRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["exists_calls"] += 1
         live = self.registry.live_slots()
-        return P.ContainsReply([self.index.held(k, live) for k in msg.keys])
+        return P.ContainsReply([v is not None and v >> 104 in live for v in self.index.get_many(msg.keys, live)])
 
     def on_LocateRequest(self, msg: P.LocateRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_LocateRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["locate_calls"] += 1
         found, where = self._locate(msg.keys, stop_at_miss=False, near=msg.near, avoid=msg.avoid)
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
-        self._count_namespaces(msg.keys, [h >= 0 for h in where[1]])
+        self.by_namespace.count(msg.keys, [h >= 0 for h in where[1]])
         return P.LocateReply(*where)
-
-    def _count_namespaces(self, keys: list[str], hits: list[bool]) -> None:
-        """Hits and misses per key namespace (the part before the first '/')."""
-        if not keys:
-            return
-        first = keys[0].partition("/")
-        prefix = first[0] + "/"
-        # every key between the least and the greatest shares a prefix both have
-        if first[1] and min(keys).startswith(prefix) and max(keys).startswith(prefix):
-            found = sum(hits)   # the usual batch: one namespace
-            self._count_namespace(first[0], found, len(keys) - found)
-            return
-        for key, hit in zip(keys, hits):
-            self._count_namespace(key.split("/", 1)[0] if "/" in key else "", int(hit), int(not hit))
-
-    def _count_namespace(self, ns: str, hits: int, misses: int) -> None:
-        row = self.by_namespace.get(ns)
-        if row is None:
-            if len(self.by_namespace) >= MAX_NAMESPACES:
-                ns = "(other)"
-            row = self.by_namespace.setdefault(ns, [0, 0])
-        row[0] += hits
-        row[1] += misses
 
     def on_SnapshotRequest(self, msg: P.SnapshotRequest, ident, req_id):
         """The keys of one namespace, for a client's residency view (see master/publisher.py)."""
@@ -263,7 +263,9 @@ class MasterService(Service):
                  "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
                  "lost": self.registry.lost_nodes(now), "expect_nodes": self.config.expect_nodes,
                  "publish_port": self.publisher.port if self.publisher else -1,
-                 **self.counters, **(self.publisher.counters if self.publisher else {})}
+                 **self.counters, **(self.publisher.counters if self.publisher else {}),
+                 "rejected": dict(self.rejected), "unsent": dict(self.unsent),
+                 "backlog": self.backlog.requests}
         return P.StatsReply(stats)
 
     # -------------------------------------------------------------- nodes
@@ -396,7 +398,7 @@ class MasterService(Service):
                                    labels=["namespace"])
         misses = CounterMetricFamily("hicache_mc_lookup_misses_total",
                                      "keys not found by Locate, per key namespace", labels=["namespace"])
-        for ns, (h, m) in self.by_namespace.items():
+        for ns, (h, m) in self.by_namespace.rows.items():
             hits.add_metric([ns], h)
             misses.add_metric([ns], m)
         rejected = CounterMetricFamily("hicache_mc_master_rejected_total",

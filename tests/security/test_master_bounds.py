@@ -1,0 +1,123 @@
+"""What one client credential can make the master do: every request's work, the replies it
+leaves unread and the state it leaves behind are bounded, and the nodes' liveness never waits
+behind a lookup. Against a master and a node started with a token, as processes, each attack
+made with an ordinary client credential of tenant A."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from hicache_mc import protocol as P
+from hicache_mc.auth import credential, issue, secure_client
+from hicache_mc.client import StoreClient
+from peers import TOKEN, MiB, rss
+from procs import Cluster, free_port
+
+A = issue(TOKEN, "client", "teamA").text()
+B = issue(TOKEN, "client", "teamB").text()
+
+
+def start(tmp_path) -> Cluster:
+    """A master and a node with a token; the node is dropped after 2 s without a heartbeat."""
+    c = Cluster(tmp_path, heartbeat_s=0.25, liveness=8, token=TOKEN)
+    c.metrics_port = free_port()
+    c.start_master(("--metrics-port", str(c.metrics_port)))
+    c.add_node(dram="128MiB")
+    c.wait_nodes(1)
+    return c
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory):
+    c = start(tmp_path_factory.mktemp("bounded"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """A cluster of its own, for a test that measures the master's peak memory."""
+    c = start(tmp_path)
+    yield c
+    c.stop()
+
+
+def dealer(cluster, cred: str, rcvhwm: int = 1000) -> zmq.Socket:
+    """A raw DEALER to the master speaking as ``cred`` (what a hostile client would hold)."""
+    sock = secure_client(zmq.Context.instance().socket(zmq.DEALER), credential(cred),
+                         P.MAX_HEADER_BYTES)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.connect(cluster.master)
+    return sock
+
+
+def put_tiny(cluster, cred: str, keys: list[str]) -> None:
+    buf = np.zeros(64, np.uint8)
+    with StoreClient(cluster.master, token=cred) as c:
+        for i in range(0, len(keys), 4096):
+            part = keys[i:i + 4096]
+            assert all(c.batch_put_from(part, [buf.ctypes.data] * len(part), [64] * len(part)))
+
+
+def admin_stats(cluster) -> dict:
+    return cluster.stats(5.0)
+
+
+def busy(cluster) -> int:
+    """Requests the master refused as busy so far."""
+    return admin_stats(cluster).get("rejected", {}).get("busy", 0)
+
+
+def test_wide_lookups_never_silence_the_master_to_its_nodes(bounded):
+    """Four Exists of 131,072 keys in as many namespaces (each ~1 s of the master's work) in
+    flight at once: the node's heartbeats are read and applied between their slices, so the
+    node is never expired and its keys stay; every lookup is still answered in full."""
+    held = [f"held@teamA/{i:064x}/k" for i in range(2000)]
+    put_tiny(bounded, A, held)
+    before = admin_stats(bounded)
+    wide = [f"w{i:05x}@teamA/{i:064x}/k" for i in range(P.MAX_KEYS - len(held))] + held
+    sock = dealer(bounded, A)
+    try:
+        for rid in range(1, 5):
+            sock.send(P.encode(P.ExistsRequest(wide), rid))
+        for _ in range(4):
+            assert sock.poll(120_000), "a wide lookup was never answered"
+            reply = P.decode(sock.recv(), request=False).msg
+            assert isinstance(reply, P.ExistsReply) and reply.count == 0, reply
+        sock.send(P.encode(P.ExistsRequest(held), 9))
+        assert sock.poll(10_000)
+        assert P.decode(sock.recv(), request=False).msg.count == len(held)
+    finally:
+        sock.close(0)
+    after = admin_stats(bounded)
+    assert after["nodes_expired"] == before["nodes_expired"], "the node was expired"
+    assert after["keys"] == before["keys"] and len(after["nodes"]) == 1
+
+
+def test_replies_a_client_never_reads_are_refused_not_buffered(fresh):
+    """2,000 snapshots of a 16k-key namespace (256 KiB each) asked for on a connection that
+    never reads: the master queues a fresh amount for that tenant and refuses the rest as
+    busy, so its memory stays put; another tenant is served meanwhile."""
+    put_tiny(fresh, A, [f"snap@teamA/{i:064x}/k" for i in range(16384)])
+    master = fresh.master_proc.p.pid
+    base = rss(master)
+    busy_before = busy(fresh)
+    sock = dealer(fresh, A, rcvhwm=1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        for rid in range(2000):
+            sock.send(P.encode(P.SnapshotRequest("snap@teamA"), rid))
+        with StoreClient(fresh.master, token=B) as b:    # served meanwhile
+            assert b.put("other@teamB/k", b"b" * 100) and b.exists("other@teamB/k")
+        end = time.monotonic() + 60
+        while busy(fresh) - busy_before < 1000:
+            assert time.monotonic() < end, "the master never refused the unread snapshots"
+            time.sleep(0.1)
+        grew = rss(master) - base
+    finally:
+        sock.close(0)
+    print(f"\n[unread snapshots] master RSS {grew / MiB:+.1f} MiB")
+    assert grew < 96 * MiB, f"the master's memory grew {grew / MiB:.0f} MiB"
