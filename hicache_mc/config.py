@@ -73,6 +73,9 @@ class MasterConfig:
     publish_port: int = 7373
     publish_beat_s: float = 0.5        # each subscribed namespace gets a beat this often
     expect_nodes: int = 0              # /ready says "degraded" with fewer live nodes (0: any)
+    # connections kept on the master's port and on its publisher's, each (with a token: past
+    # it, clients are refused at their handshake; nodes and admins never are)
+    max_connections: int = 4096
 
     def __post_init__(self):
         _check_server_token(self.token)
@@ -84,6 +87,7 @@ class MasterConfig:
         _check_positive(self.liveness, "liveness")
         if self.expect_nodes < 0:
             raise ConfigError(f"expect_nodes: must be >= 0, got {self.expect_nodes}")
+        _check_positive(self.max_connections, "max_connections")
         parse_quotas(self.tenant_quotas)
 
     def quotas(self) -> dict[str, int]:

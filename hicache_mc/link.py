@@ -11,6 +11,8 @@ connection attempt, measured with pyzmq 27 / libzmq 4.3 on loopback:
     another cluster's token or        CONNECTED, HANDSHAKE_FAILED_NO_DETAIL (EPIPE), DISCONNECTED
       credential                        (the server cannot open the CURVE hello and closes)
     the token is right                CONNECTED, HANDSHAKE_SUCCEEDED
+    the server's connections are      CONNECTED, HANDSHAKE_FAILED_AUTH (its ZAP said no: the only
+      at their cap                      thing it refuses there, connections.py), DISCONNECTED
     the peer exits later              DISCONNECTED
 
 so ``Link.down()`` names the cause in one line (``Down``): a refused connection, a lost one, a
@@ -53,6 +55,7 @@ class Down(enum.Enum):
                    "issued from another cluster's token, or a server that runs without a token")
     CUT = ("the connection closed during the handshake (not a hicache-mc port, or a forwarder "
            "that does not pass ZeroMQ through)")
+    FULL = "it holds as many connections as it keeps (its max_connections); try again later"
 
     @property
     def misconfigured(self) -> bool:
@@ -120,8 +123,9 @@ class Link:
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
                 value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return self._end(Down.UNEXPECTED_TOKEN if self.has_credential else Down.NO_TOKEN)
-        if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                     zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return self._end(Down.FULL)
+        if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
             # without a credential the only handshake a hicache-mc server fails is CURVE's
             return self._end(Down.WRONG_TOKEN if self.has_credential else Down.NO_TOKEN)
         if event == zmq.EVENT_CLOSED:

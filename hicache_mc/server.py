@@ -35,6 +35,7 @@ import zmq
 from . import protocol as P
 from .auth import Guard, Principal
 from .backlog import Backlog, Task
+from .connections import Connections
 from .errors import ProtocolError
 from .frame_errors import peek
 from .keys import foreign_key
@@ -54,6 +55,9 @@ SNDHWM = 128
 SWEEP_S = 1.0           # forget sent replies of every peer this often (backlog.sweep)
 
 CLIENTS = ("client", "admin")
+# Connections a service keeps (with a token; connections.py): an SGLang rank holds a few
+# (its threads' channels, its view's), a node one.
+MAX_CONNECTIONS = 4096
 
 
 class Service:
@@ -64,10 +68,12 @@ class Service:
     roles: dict[str, tuple[str, ...]] = {}  # request type -> roles that may send it (CLIENTS)
 
     def __init__(self, bind: str, token: str = "", name: str = "service",
-                 max_frame: int = P.MAX_HEADER_BYTES):
+                 max_frame: int = P.MAX_HEADER_BYTES, max_connections: int = MAX_CONNECTIONS):
         self.ctx = zmq.Context()
         self.guard = Guard(self.ctx, token)
         self.sock = self.guard.secure(self.ctx.socket(zmq.ROUTER), max_frame)
+        self.connections = Connections(self.sock, max_connections)
+        self.guard.cap("*", self.connections)
         # a peer reconnecting under its routing id (a node after a dropped link) takes it over
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply that cannot go raises: counted
@@ -79,6 +85,7 @@ class Service:
             else:
                 self.sock.bind(bind)
         except zmq.ZMQError:
+            self.connections.close()
             self.sock.close(0)
             self.guard.stop()
             self.ctx.term()
@@ -86,7 +93,8 @@ class Service:
         self.address = bind
         self.name = name
         self.stopping = threading.Event()
-        self._extra: list[tuple[object, Callable[[], None]]] = []
+        self._extra: list[tuple[object, Callable[[], None]]] = [
+            (self.connections.monitor, self.connections.on_readable)]
         self.latency: dict[str, Histogram] = {}     # handling time per request type
         self.rejected: dict[str, int] = {}          # error replies per code
         self.unsent = {"peer_gone": 0, "peer_not_reading": 0}    # replies dropped, per reason
@@ -168,6 +176,7 @@ class Service:
         self.close()
 
     def _housekeeping(self, now: float) -> None:
+        self.connections.age(now)
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_S
             self.backlog.sweep()
@@ -182,6 +191,7 @@ class Service:
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
+        self.connections.close()
         self.sock.close(0)
         for sock, _ in self._extra:
             if isinstance(sock, zmq.Socket):

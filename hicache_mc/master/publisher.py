@@ -30,6 +30,7 @@ import zmq
 
 from .. import protocol as P, residency as R
 from ..auth import Guard, Principal
+from ..connections import Connections
 from ..keys import tenant_of
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,10 @@ class Publisher:
     """The XPUB of one master; ``flush(journal, nodes)`` once a loop turn."""
 
     def __init__(self, ctx: zmq.Context, guard: Guard, host: str, port: int, epoch: str,
-                 beat_s: float):
-        self.sock = guard.secure(ctx.socket(zmq.XPUB), MAX_INBOUND)
+                 beat_s: float, max_connections: int = 4096):
+        self.sock = guard.secure(ctx.socket(zmq.XPUB), MAX_INBOUND, "residency")
+        self.connections = Connections(self.sock, max_connections)
+        guard.cap("residency", self.connections)
         self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         try:
@@ -79,6 +82,7 @@ class Publisher:
                 self.sock.bind(f"tcp://{host}:{port}")
                 self.port = port
         except zmq.ZMQError:
+            self.connections.close()
             self.sock.close(0)
             raise
         self.guard = guard
@@ -133,6 +137,10 @@ class Publisher:
             if keys:
                 self.key_spaces.clear()
                 self.key_spaces.update(self.key_topics)
+
+    def close(self) -> None:
+        self.connections.close()
+        self.sock.close(0)
 
     def snapshot(self, ns: str, index, marks: dict) -> P.Message:
         """A view's start: the namespace's digests and last update number, with the nodes'

@@ -48,7 +48,8 @@ class MasterService(Service):
              "QuotaRequest": ("admin",)}
 
     def __init__(self, config: MasterConfig):
-        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master")
+        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master",
+                         max_connections=config.max_connections)
         self.config = config
         self.epoch = uuid.uuid4().hex[:12]
         self.slots = NodeSlots()
@@ -70,17 +71,25 @@ class MasterService(Service):
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
         if config.publish_port >= 0:
             self.publisher = Publisher(self.ctx, self.guard, config.host, config.publish_port,
-                                       self.epoch, config.publish_beat_s)
+                                       self.epoch, config.publish_beat_s, config.max_connections)
             self.index.journal = {}
             self.index.key_spaces = self.publisher.key_spaces    # one set: the publisher fills it
             self.add_socket(self.publisher.sock, self.publisher.on_readable)
+            self.add_socket(self.publisher.connections.monitor, self.publisher.connections.on_readable)
         self._publish_probe = None if self.publisher is None else PortProbe(
             local_address(config.host), self.publisher.port)
         self.enable_metrics(config.metrics_host, config.metrics_port)
 
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        super().close()
+
     # -------------------------------------------------------------- timers
 
     def tick(self, now: float) -> None:
+        if self.publisher is not None:
+            self.publisher.connections.age(now)
         if self._parked and self._parked[0][0] <= now:
             late = [p for p in self._parked if p[0] <= now]
             self._parked = [p for p in self._parked if p[0] > now]
@@ -265,7 +274,8 @@ class MasterService(Service):
                  "publish_port": self.publisher.port if self.publisher else -1,
                  **self.counters, **(self.publisher.counters if self.publisher else {}),
                  "rejected": dict(self.rejected), "unsent": dict(self.unsent),
-                 "backlog": self.backlog.requests}
+                 "backlog": self.backlog.requests, "connections": len(self.connections),
+                 "connections_refused": self.connections.refused}
         return P.StatsReply(stats)
 
     # -------------------------------------------------------------- nodes

@@ -49,7 +49,7 @@ def test_a_turn_cut_into_chunks_names_its_reports_on_the_last_chunk_only():
         assert first.nodes == {} and last.nodes == {"node-a": ("seg", 7)}
     finally:
         sub.close(0)
-        pub.sock.close(0)
+        pub.close()
 
 
 def test_key_updates_are_cut_by_bytes_as_well_as_by_count():

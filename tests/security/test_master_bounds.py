@@ -13,6 +13,8 @@ import zmq
 from hicache_mc import protocol as P
 from hicache_mc.auth import credential, issue, secure_client
 from hicache_mc.client import StoreClient
+from hicache_mc.errors import StoreUnavailable
+from hicache_mc.rpc import Channel
 from peers import TOKEN, MiB, rss
 from procs import Cluster, free_port
 
@@ -121,3 +123,49 @@ def test_replies_a_client_never_reads_are_refused_not_buffered(fresh):
         sock.close(0)
     print(f"\n[unread snapshots] master RSS {grew / MiB:+.1f} MiB")
     assert grew < 96 * MiB, f"the master's memory grew {grew / MiB:.0f} MiB"
+
+
+def test_connections_past_the_cap_are_refused_but_never_a_nodes(tmp_path):
+    """With a cap of 16 connections, tenant A's 17th connection fails its handshake, while a
+    second node still registers and an administrator still gets in; a closed connection
+    makes room for the next."""
+    c = Cluster(tmp_path, heartbeat_s=0.25, liveness=8, token=TOKEN)
+    c.env["HICACHE_MC_MASTER_MAX_CONNECTIONS"] = "16"
+    c.start_master(("--metrics-port", str(free_port())))
+    c.add_node(dram="64MiB")
+    ctx = zmq.Context()
+    held: list[Channel] = []
+    try:
+        c.wait_nodes(1)
+        refused = 0
+        for _ in range(24):
+            ch = Channel(ctx, c.master, A)
+            held.append(ch)
+            try:
+                ch.call(P.StatsRequest(), 5.0)
+            except StoreUnavailable as exc:
+                assert "max_connections" in str(exc), exc
+                refused += 1
+        # 16 in all: A's, and the node's once it is counted (3 s after it connected)
+        assert 15 <= 24 - refused <= 16, refused
+        c.add_node(dram="64MiB")
+        assert len(c.wait_nodes(2)["nodes"]) == 2
+        assert c.stats()["connections_refused"] >= refused
+        for ch in held:
+            ch.close()
+        held.clear()
+        end = time.monotonic() + 10
+        while True:         # the closed connections are noticed, and there is room again
+            ch = Channel(ctx, c.master, A)
+            held.append(ch)
+            try:
+                assert isinstance(ch.call(P.StatsRequest(), 5.0), P.StatsReply)
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < end, "no room after the connections closed"
+                time.sleep(0.1)
+    finally:
+        for ch in held:
+            ch.close()
+        ctx.term()
+        c.stop()
