@@ -89,6 +89,7 @@ class KeyIndex:
 
     def __init__(self):
         self._ns: dict[str, dict[bytes, int]] = {}
+        self._dropped = 0       # namespaces emptied since _ns was last rebuilt
         self.journal: Optional[dict[str, dict[bytes, bool]]] = None
         # the keys themselves, {namespace: {key: present}}, for the namespaces in key_spaces only
         self.key_journal: dict[str, dict[str, bool]] = {}
@@ -208,7 +209,7 @@ class KeyIndex:
                 return True
             del sub[d]
             if not sub:
-                del self._ns[ns]
+                self._drop_namespace(ns)
             self._note(ns, (d,), False)
             if ns in self.key_spaces:
                 self.key_journal.setdefault(ns, {})[key] = False
@@ -236,10 +237,16 @@ class KeyIndex:
             for k in dead:
                 del sub[k]
             if not sub:
-                del self._ns[ns]
+                self._drop_namespace(ns)
             self._note(ns, dead, False)
             n += len(dead)
         return n
+
+    def _drop_namespace(self, ns: str) -> None:
+        del self._ns[ns]
+        self._dropped += 1
+        if self._dropped > len(self._ns):   # a dict's table never shrinks: rebuild it (amortised)
+            self._ns, self._dropped = dict(self._ns), 0
 
     def namespace_size(self, ns: str) -> int:
         return len(self._ns.get(ns, _EMPTY))

@@ -71,7 +71,8 @@ class MasterService(Service):
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
         if config.publish_port >= 0:
             self.publisher = Publisher(self.ctx, self.guard, config.host, config.publish_port,
-                                       self.epoch, config.publish_beat_s, config.max_connections)
+                                       self.epoch, config.publish_beat_s, config.max_connections,
+                                       self.index.namespace_size)
             self.index.journal = {}
             self.index.key_spaces = self.publisher.key_spaces    # one set: the publisher fills it
             self.add_socket(self.publisher.sock, self.publisher.on_readable)
@@ -275,6 +276,7 @@ class MasterService(Service):
                  **self.counters, **(self.publisher.counters if self.publisher else {}),
                  "rejected": dict(self.rejected), "unsent": dict(self.unsent),
                  "backlog": self.backlog.requests, "connections": len(self.connections),
+                 "residency_namespaces": self.publisher.namespaces if self.publisher else 0,
                  "connections_refused": self.connections.refused}
         return P.StatsReply(stats)
 

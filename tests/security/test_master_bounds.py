@@ -169,3 +169,23 @@ def test_connections_past_the_cap_are_refused_but_never_a_nodes(tmp_path):
             ch.close()
         ctx.term()
         c.stop()
+
+
+def test_namespaces_emptied_leave_no_state_behind(bounded):
+    """Tenant A stores a key in each of 3,000 namespaces and clears them: the publisher keeps
+    no numbering for a namespace with no keys and no subscriber, so what it keeps is back to
+    what it was (the master keeps nothing per namespace ever used)."""
+    before = admin_stats(bounded)
+    put_tiny(bounded, A, [f"gone{i:04d}@teamA/{i:064x}/k" for i in range(3000)])
+    assert admin_stats(bounded)["residency_namespaces"] >= before["residency_namespaces"] + 3000
+    with StoreClient(bounded.master, token=A) as a:
+        assert a.clear("") >= 3000
+    end = time.monotonic() + 20
+    while True:
+        st = admin_stats(bounded)
+        if st["keys"] <= before["keys"] and \
+                st["residency_namespaces"] <= before["residency_namespaces"]:
+            break
+        assert time.monotonic() < end, f"{st['residency_namespaces']} namespaces kept, " \
+            f"{before['residency_namespaces']} before"
+        time.sleep(0.1)
