@@ -4,7 +4,9 @@ behind a lookup. Against a master and a node started with a token, as processes,
 made with an ordinary client credential of tenant A."""
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -189,3 +191,28 @@ def test_namespaces_emptied_leave_no_state_behind(bounded):
         assert time.monotonic() < end, f"{st['residency_namespaces']} namespaces kept, " \
             f"{before['residency_namespaces']} before"
         time.sleep(0.1)
+
+
+def test_one_tenant_takes_a_bounded_share_of_the_namespace_labels(bounded):
+    """Tenant A looks up keys in 2,000 namespaces: at most 32 of its namespaces have labels
+    of their own (the rest sum as "(other)@teamA"), and tenant B's namespace still gets one."""
+    sock = dealer(bounded, A)
+    try:
+        sock.send(P.encode(P.LocateRequest([f"lbl{i:04d}@teamA/{i:064x}/k" for i in range(2000)]), 1))
+        assert sock.poll(30_000)
+        assert isinstance(P.decode(sock.recv(), request=False).msg, P.LocateReply)
+    finally:
+        sock.close(0)
+    with StoreClient(bounded.master, token=B, view="off") as b:
+        assert not b.exists("mine@teamB/0/k")
+    url = f"http://127.0.0.1:{bounded.metrics_port}/metrics"
+    end = time.monotonic() + 20
+    while True:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        labels = set(re.findall(r'hicache_mc_lookup_misses_total\{namespace="([^"]*)"\}', text))
+        if "mine@teamB" in labels or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    a_labels = {ns for ns in labels if ns.endswith("@teamA") and not ns.startswith("(other)")}
+    assert "mine@teamB" in labels, sorted(labels)[:50]
+    assert 0 < len(a_labels) <= 32 and "(other)@teamA" in labels
