@@ -81,8 +81,7 @@ def test_a_forgotten_namespace_numbers_on_above_every_number_given():
         pub.flush({NS: {d: True}}, lambda: {}, {}, 0.0)
         assert pub.seq[NS] == 4
     finally:
-        pub.sock.close(0)
-        pub.connections.close()
+        pub.close()
 
 
 class _Empty:
