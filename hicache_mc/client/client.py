@@ -22,6 +22,7 @@ import zmq
 from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError, RemoteError
+from ..keys import batch_page_keys
 from ..rpc import Channel
 from ..transport.base import ChecksumCounter, Transport
 from ..transport.te import MooncakeTransport
@@ -199,6 +200,15 @@ class StoreClient(WritePath):
         if not keys:
             return 0
         return self._guard(lambda: self._exists(keys), 0)
+
+    def batch_exists_pages(self, namespace: str, page_hashes: Sequence[str], parts: tuple[str, ...]) -> int:
+        """How many pages, from the first, have all their keys ``<namespace>/<hash>/<part>``
+        stored: the residency view answers from the page hashes, without building the keys."""
+        if self.view is not None and page_hashes and parts and not self._closed and self.circuit.allow():
+            pages = self.view.exists_pages(namespace, page_hashes, parts)
+            if pages is not None:
+                return pages
+        return self.batch_exists(batch_page_keys(namespace, list(page_hashes), parts)) // max(1, len(parts))
 
     def follow(self, namespace: str) -> None:
         """Keep the residency view of ``namespace`` from now on (a lookup in one starts it too)."""

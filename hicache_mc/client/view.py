@@ -38,6 +38,7 @@ from .. import protocol as P
 from .. import residency as R
 from ..auth import credential, secure_client
 from ..errors import HicacheError, RemoteError
+from ..keydigest import key_prefixes, page_prefixes
 from ..link import Link
 from ..rpc import Channel, host_of
 from .digests import DigestSet, prefixes
@@ -128,16 +129,20 @@ class ResidencyView:
         prefix = first[:i + 1]
         if len(keys) > 1 and not (min(keys).startswith(prefix) and max(keys).startswith(prefix)):
             return None
-        sp = self.spaces.get(first[:i])
+        return self._synced(first[:i])
+
+    def _synced(self, ns: str) -> Optional[Space]:
+        """The space of ``ns`` when it is in sync (one not followed yet is, from now on)."""
+        sp = self.spaces.get(ns)
         if sp is None:
-            self.follow(first[:i])
+            self.follow(ns)
             return None
-        if not sp.synced or time.monotonic() - sp.heard > self.stale_s or sp.ns in self._refresh:
+        if not sp.synced or time.monotonic() - sp.heard > self.stale_s or ns in self._refresh:
             return None
         return sp
 
     def _mask(self, sp: Space, keys: list[str]):
-        q = prefixes(R.digests(keys))
+        q = key_prefixes(keys, sp.ns)
         hit = sp.keys.mask(q)
         return self.own.add_to(hit, q)
 
@@ -164,6 +169,21 @@ class ResidencyView:
         self.counters["view_answers"] += 1
         hit = self._mask(sp, keys)
         return len(keys) if hit.all() else int(hit.argmin())
+
+    def exists_pages(self, ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Optional[int]:
+        """How many pages, from the first, have every key ``<ns>/<hash>/<part>`` stored, from
+        the page hashes without the keys (keydigest.page_prefixes); or None (ask the master)."""
+        sp = self._synced(ns)
+        try:
+            q = None if sp is None else page_prefixes(ns, page_hashes, parts)
+        except TypeError:       # not strings: the caller's keys are checked on the way to the master
+            q = None
+        if q is None:
+            self.counters["view_fallbacks"] += 1
+            return None
+        self.counters["view_answers"] += 1
+        hit = self.own.add_to(sp.keys.mask(q), q)
+        return len(page_hashes) if hit.all() else int(hit.argmin()) // len(parts)
 
     def close(self) -> None:
         with self._lock:

@@ -1,13 +1,12 @@
 """The master's key index: key -> (node, size, checksum), packed to keep the master small.
 
-Keys are held as 16-byte xxh3-128 digests (a page key is ~85 characters: 133 bytes as a str,
-49 as a digest), and each value is one Python int: ``checksum | size << 64 | node_slot << 104``
-instead of a tuple of three. Measured with benchmarks/bench_master.py at 1M keys: master RSS
-+225 B/key with str keys, +157 B/key with digests. xxh3-128 hashes a key in ~0.25 µs against
-~1.9 µs for BLAKE2b (the master digests every key of every request). Two keys that collide
-(~n²/2^129 for honest keys; a crafted pair is possible, xxh3 not being cryptographic) can only
-make the master report a key present that is not: the node looks objects up by the full key,
-so the read is a miss, never another key's bytes. Node ids are interned as small slot numbers
+Keys are held as their 16-byte digests (keydigest.py: an SGLang page key's from its page hash,
+any other's by xxh3-128; a page key is ~85 characters: 133 bytes as a str, 49 as a digest), and
+each value is one Python int: ``checksum | size << 64 | node_slot << 104`` instead of a tuple of
+three. Measured with benchmarks/bench_master.py at 1M keys: master RSS +225 B/key with str
+keys, +157 B/key with digests. Two keys with one digest (by chance ~n²/2^129; on purpose
+possible within a namespace) can only make the master report a key present that is not: the
+node looks objects up by the full key, so the read is a miss, never another key's bytes. Node ids are interned as small slot numbers
 by ``NodeSlots``. The digests sit in one map per key namespace (the part of a key before its
 first '/'), so the keys of one namespace are listed without a scan (a residency snapshot).
 
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from xxhash import xxh3_128_digest
+from ..keydigest import digest as _d, digest_list
 
 CHECKSUM_MASK = (1 << 64) - 1
 SIZE_MASK = (1 << 40) - 1       # a packed value: checksum | size << 64 | node_slot << 104
@@ -44,10 +43,6 @@ class NodeSlots:
 
     def node_id(self, slot: int) -> str:
         return self.ids[slot]
-
-
-def _d(key: str) -> bytes:
-    return xxh3_128_digest(key.encode())
 
 
 def namespace_of(key: str) -> str:
@@ -113,8 +108,9 @@ class KeyIndex:
             return
         hi = slot << 104
         values = [(c & CHECKSUM_MASK) | (s & SIZE_MASK) << 64 | hi for s, c in zip(sizes, checksums)]
-        digests = list(map(xxh3_128_digest, map(str.encode, keys)))
-        for ns, pos in _groups(keys):
+        groups = _groups(keys)
+        digests = digest_list(keys, groups[0][0] if len(groups) == 1 else None)
+        for ns, pos in groups:
             sub = self._ns.get(ns)
             if sub is None:
                 sub = self._ns[ns] = {}
@@ -158,8 +154,8 @@ class KeyIndex:
         with copies names a live holder, one in ``near`` first (the first holder otherwise)."""
         if not keys:
             return []
-        digests = list(map(xxh3_128_digest, map(str.encode, keys)))
         ns = _one_namespace(keys)
+        digests = digest_list(keys, ns)
         if ns is not None:
             values = list(map(self._ns.get(ns, _EMPTY).get, digests))
         else:

@@ -171,16 +171,18 @@ class HiCacheMC(HybridPools, HiCacheStorage):
                                                                        self.heads.count)
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
 
-    def _stored_pages(self, page_hashes: List[str], keys: list[str]) -> int:
-        """Pages stored, counted from the first (one namespace: one view lookup, or Exists; the
-        head groups of several: per key); those stored behind the first missing page are
-        counted as orphans (orphans.py)."""
+    def _stored_pages(self, page_hashes: List[str]) -> int:
+        """Pages stored, counted from the first (one namespace: one view lookup from the page
+        hashes themselves, or Exists; the head groups of several: per key); those stored behind
+        the first missing page are counted as orphans (orphans.py)."""
         per, pages = self.objects_per_page, len(page_hashes)
         if len(self.spaces) == 1:
-            n = max(0, min(pages, int(self.client.batch_exists(keys)) // per))
-            behind = self.client.contains_cached(keys[(n + 1) * per:]) if n + 1 < pages else None
+            n = self.client.batch_exists_pages(self.spaces[0], page_hashes, self.geometry.parts)
+            n = max(0, min(pages, int(n)))
+            behind = self.client.contains_cached(self._keys(page_hashes[n + 1:])) \
+                if n + 1 < pages else None
         else:
-            found = list(self.client.batch_contains(keys))
+            found = list(self.client.batch_contains(self._keys(page_hashes)))
             n = leading(fold_parts(found, per))
             behind = found[(n + 1) * per:]
         if behind:
@@ -192,11 +194,12 @@ class HiCacheMC(HybridPools, HiCacheStorage):
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Pages stored, counted from the first key (one master round trip)."""
+        """Pages stored, counted from the first key: the residency view answers from the page
+        hashes when it is in sync, else the master (one round trip)."""
         if not keys or self.geometry is None:
             return 0
         try:
-            n = self._stored_pages(list(keys), self._keys(keys))
+            n = self._stored_pages(list(keys))
             self.episodes.ok("batch_exists")
             return n
         except Exception as exc:

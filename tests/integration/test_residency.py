@@ -97,6 +97,30 @@ def test_contains_cached_answers_from_the_view_or_not_at_all(cluster):
         assert (exists_calls(w), w.stats()["cluster"]["locate_calls"]) == before
 
 
+def test_a_chain_of_sglang_pages_is_answered_from_its_page_hashes(cluster):
+    """A client that wrote none of the keys answers a chain of SGLang pages (SHA-256 page
+    hashes, k and v parts) from the hashes alone: the digests it derives from them are the
+    ones the master derived from the keys it indexed. A chain with a hash that is no page hash
+    is answered from its keys."""
+    import hashlib
+    hashes = [hashlib.sha256(b"page %d" % i).hexdigest() for i in range(4)]
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+        for h in hashes[:3]:
+            assert w.put(f"{NS}/{h}/k", b"k") and w.put(f"{NS}/{h}/v", b"v")
+        assert w.put(f"{NS}/{hashes[3]}/k", b"k")          # page 3 has no v: the run ends
+        follow(r)
+        before, answers = exists_calls(w), r.view.counters["view_answers"]
+        assert r.batch_exists_pages(NS, hashes, ("k", "v")) == 3
+        assert r.batch_exists_pages(NS, hashes, ("k",)) == 4
+        assert r.batch_exists_pages(NS, hashes[1:], ("v",)) == 2
+        assert r.view.counters["view_answers"] == answers + 3 and exists_calls(w) == before
+        odd = hashes[:2] + ["not a page hash"]
+        assert w.put(f"{NS}/not a page hash/k", b"k") and w.put(f"{NS}/not a page hash/v", b"v")
+        fallbacks = r.view.counters["view_fallbacks"]
+        wait(lambda: r.batch_exists_pages(NS, odd, ("k", "v")) == 3, what="odd chain seen")
+        assert r.view.counters["view_fallbacks"] > fallbacks and exists_calls(w) == before
+
+
 def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):
     """With the view thread held, the view is in sync but has not seen the writer's commit:
     the view answers it from the writer's own recent writes, without asking the master."""
