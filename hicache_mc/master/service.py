@@ -12,15 +12,13 @@ import uuid
 from functools import partial
 from typing import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from .. import __version__, protocol as P
+from .. import protocol as P
 from ..config import MasterConfig
-from ..metrics import histogram_family
 from ..link import PortProbe, local_address
 from ..server import Service
+from .fences import FENCE_WAIT_S, Fences
 from .index import SIZE_MASK, KeyIndex, NodeSlots
-from . import slices
+from . import report, slices
 from .namespaces import NamespaceCounts
 from .publisher import Publisher
 from . import placement
@@ -28,11 +26,6 @@ from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
 
-FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its fence names
-# lookups waiting on fences, and their keys: beyond either they are answered at once (a fence
-# names any seq the client likes, so it could otherwise park MAX_KEYS-key lookups without end)
-MAX_PARKED = 10000
-MAX_PARKED_KEYS = 1 << 20
 
 
 class MasterService(Service):
@@ -64,9 +57,7 @@ class MasterService(Service):
         self._next_expiry = 0.0
         self.by_namespace = NamespaceCounts()
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
-        # lookups whose fence is ahead of the master: (give up at, task, what answers it)
-        self._parked: list[tuple] = []
-        self._parked_keys = 0
+        self.fences = Fences(self.registry)   # lookups whose fence is ahead of the master
         self.publisher = None       # residency updates (master/publisher.py), unless turned off
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
         if config.publish_port >= 0:
@@ -91,13 +82,11 @@ class MasterService(Service):
     def tick(self, now: float) -> None:
         if self.publisher is not None:
             self.publisher.connections.age(now)
-        if self._parked and self._parked[0][0] <= now:
-            late = [p for p in self._parked if p[0] <= now]
-            self._parked = [p for p in self._parked if p[0] > now]
+        if self.fences and self.fences.parked[0].until <= now:
+            late = self.fences.late(now)
             log.warning("%d lookups waited %.1fs for commits the master has not seen; answered "
                         "without them", len(late), FENCE_WAIT_S)
-            for _, task, resume in late:
-                self._answer(task, resume)
+            self._answer(late)
         if now >= self._next_expiry:
             self._expire(now)
         if self.publisher is not None:
@@ -121,42 +110,22 @@ class MasterService(Service):
             self.counters["nodes_expired"] += 1
             log.warning("node %s missed its heartbeats; dropped it and its %d keys",
                         st.info.node_id, dropped)
-            if self._parked:
-                self._unpark()      # fences on a node that is gone hold no more
+            self._answer(self.fences.ready())     # fences on a node that is gone hold no more
 
     # -------------------------------------------------------------- fences
-
-    def _behind(self, after: dict) -> bool:
-        """Whether a (checked) fence names a commit of a live node (same segment) not applied yet."""
-        for node_id, (segment, seq) in after.items():
-            st = self.registry.nodes.get(node_id)
-            if st is not None and st.segment == segment and st.seq < seq:
-                return True
-        return False
 
     def _park(self, msg, resume: Callable) -> bool:
         """Hold the lookup being handled when its fence is ahead (True): once the commits
         arrive, or after FENCE_WAIT_S, ``resume()`` gives its answer (or the work of it)."""
-        if not msg.after or not self._behind(msg.after) or len(self._parked) >= MAX_PARKED or \
-                self._parked_keys + len(msg.keys) > MAX_PARKED_KEYS:
+        if not self.fences.park(msg, self.task, resume):
             return False
-        self._parked.append((time.monotonic() + FENCE_WAIT_S, self.task, resume))
-        self._parked_keys += len(msg.keys)
         self.counters["fence_waits"] += 1
         return True
 
-    def _answer(self, task, resume: Callable) -> None:
-        """A parked lookup goes back to the backlog, to be answered as things stand now."""
-        self._parked_keys -= len(task.msg.keys)
-        self.resume(task, resume())
-
-    def _unpark(self) -> None:
-        """Answer the parked lookups whose fences the commits just applied satisfy."""
-        ready = [p for p in self._parked if not self._behind(p[1].msg.after)]
-        if ready:
-            self._parked = [p for p in self._parked if self._behind(p[1].msg.after)]
-            for _, task, resume in ready:
-                self._answer(task, resume)
+    def _answer(self, parked) -> None:
+        """Lookups let go go back to the backlog, to be answered as things stand now."""
+        for p in parked:
+            self.resume(p.task, p.resume())
 
     # -------------------------------------------------------------- clients
 
@@ -257,28 +226,7 @@ class MasterService(Service):
         return reply
 
     def on_StatsRequest(self, msg, ident, req_id):
-        now = time.monotonic()
-        nodes = []
-        for st in self.registry.nodes.values():
-            nodes.append({**st.info.to_dict(), **st.stats, "age_s": round(now - st.last_seen, 3)})
-        tenants: dict[str, dict] = {t: {"used": 0, "quota": q} for t, q in self.quotas.items()}
-        for st in self.registry.nodes.values():
-            for t, used in st.stats.get("tenants", {}).items():
-                tenants.setdefault(t, {"used": 0, "quota": None})["used"] += int(used)
-        if self.peer.role != "admin":   # a client sees the nodes and its own tenant's figures
-            tenants = {t: v for t, v in tenants.items() if t == self.peer.tenant}
-            nodes = [{k: v for k, v in n.items() if k != "tenants"} for n in nodes]
-        stats = {"epoch": self.epoch, "version": __version__, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
-                 "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
-                 "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
-                 "lost": self.registry.lost_nodes(now), "expect_nodes": self.config.expect_nodes,
-                 "publish_port": self.publisher.port if self.publisher else -1,
-                 **self.counters, **(self.publisher.counters if self.publisher else {}),
-                 "rejected": dict(self.rejected), "unsent": dict(self.unsent),
-                 "backlog": self.backlog.requests, "connections": len(self.connections),
-                 "residency_namespaces": self.publisher.namespaces if self.publisher else 0,
-                 "connections_refused": self.connections.refused}
-        return P.StatsReply(stats)
+        return P.StatsReply(report.stats(self, self.peer))
 
     # -------------------------------------------------------------- nodes
 
@@ -290,8 +238,8 @@ class MasterService(Service):
             self.index.drop_slot(slot)
         st = self.registry.upsert(info, slot, ident)
         self._moved[info.node_id] = (st.segment, 0)
-        if self._parked:
-            self._unpark()          # a node that restarted: fences on its old segment are void
+        if self.fences:
+            self._answer(self.fences.ready())   # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
         return P.RegisterReply(self.epoch)
 
@@ -362,8 +310,8 @@ class MasterService(Service):
         if seq > st.seq:
             st.seq = seq
             self._moved[st.info.node_id] = (st.segment, seq)
-            if self._parked:
-                self._unpark()
+            if self.fences:
+                self._answer(self.fences.ready())
 
     # -------------------------------------------------------------- metrics
 
@@ -385,47 +333,4 @@ class MasterService(Service):
         return True, ""
 
     def metric_families(self) -> list:
-        now = time.monotonic()
-        nodes = list(self.registry.nodes.values())
-        fams = [GaugeMetricFamily("hicache_mc_master_keys", "keys in the master index", len(self.index)),
-                GaugeMetricFamily("hicache_mc_master_nodes", "live storage nodes", len(nodes)),
-                GaugeMetricFamily("hicache_mc_master_nodes_expected", "storage nodes the cluster "
-                                  "should have (expect_nodes; 0: any)", self.config.expect_nodes),
-                GaugeMetricFamily("hicache_mc_master_nodes_lost", "nodes that missed their "
-                                  "heartbeats in the last hour and have not registered again",
-                                  len(self.registry.lost_nodes(now)))]
-        live = GaugeMetricFamily("hicache_mc_node_heartbeat_age_seconds",
-                                 "seconds since each node's last heartbeat", labels=["node"])
-        cap = GaugeMetricFamily("hicache_mc_node_capacity_bytes", "DRAM capacity per node", labels=["node"])
-        used = GaugeMetricFamily("hicache_mc_node_used_bytes", "DRAM bytes in use per node", labels=["node"])
-        for st in nodes:
-            live.add_metric([st.info.node_id], round(now - st.last_seen, 3))
-            cap.add_metric([st.info.node_id], st.info.capacity)
-            used.add_metric([st.info.node_id], int(st.stats.get("used", 0)))
-        fams += [live, cap, used]
-        for name, value in {**self.counters, **(self.publisher.counters if self.publisher else {})}.items():
-            fams.append(CounterMetricFamily(f"hicache_mc_master_{name}_total",
-                                            f"master {name.replace('_', ' ')}", value))
-        hits = CounterMetricFamily("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace",
-                                   labels=["namespace"])
-        misses = CounterMetricFamily("hicache_mc_lookup_misses_total",
-                                     "keys not found by Locate, per key namespace", labels=["namespace"])
-        for ns, (h, m) in self.by_namespace.rows.items():
-            hits.add_metric([ns], h)
-            misses.add_metric([ns], m)
-        rejected = CounterMetricFamily("hicache_mc_master_rejected_total",
-                                       "error replies to bad requests, per code", labels=["code"])
-        for code, n in self.rejected.items():
-            rejected.add_metric([code], n)
-        used_f = GaugeMetricFamily("hicache_mc_tenant_used_bytes", "bytes held per tenant, all nodes",
-                                   labels=["tenant", "node"])
-        quota_f = GaugeMetricFamily("hicache_mc_tenant_quota_bytes", "quota per tenant", labels=["tenant"])
-        for st in nodes:
-            for t, used_bytes in st.stats.get("tenants", {}).items():
-                used_f.add_metric([t, st.info.node_id], int(used_bytes))
-        for t, q in self.quotas.items():
-            quota_f.add_metric([t], q)
-        fams += [hits, misses, rejected, used_f, quota_f,
-                 histogram_family("hicache_mc_master_request_seconds", "request handling time",
-                                  "type", self.latency)]
-        return fams
+        return report.families(self)
