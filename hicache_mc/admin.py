@@ -112,10 +112,12 @@ def format_stats(stats: dict) -> str:
     if len(stats["nodes"]) < expect:
         lines.append(f"DEGRADED: {len(stats['nodes'])} of {expect} storage nodes live (expect_nodes)")
     if stats.get("tenants"):
-        lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}"]
+        lines += ["", f"{'tenant':<22}{'used MiB':>12}{'quota MiB':>12}{'keys':>12}{'key limit':>12}"]
         for t, row in sorted(stats["tenants"].items()):
             quota = "-" if row["quota"] is None else str(_mib(row["quota"]))
-            lines.append(f"{t or '(none)':<22}{_mib(row['used']):>12}{quota:>12}")
+            limit = "-" if row.get("key_limit") is None else str(row["key_limit"])
+            lines.append(f"{t or '(none)':<22}{_mib(row['used']):>12}{quota:>12}"
+                         f"{row.get('keys', 0):>12}{limit:>12}")
     return "\n".join(lines)
 
 

@@ -67,6 +67,9 @@ class MasterConfig:
     metrics_port: int = field(default=9370, metadata=ROLE_ENV)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
+    # "teamA=2M,*=1M": keys a tenant may have in the master's index ("*": each tenant not
+    # named; "" = no limit); each costs the master ~160 B (docs/operations.md section 9)
+    tenant_keys: str = ""
     # residency updates for clients' views and the KV-event bridge (master/publisher.py), on
     # the master's host: a fixed port that firewalls open beside `port`; clients learn it from
     # the master. 0 = any free port (tests, several masters on one host), -1 = off
@@ -89,9 +92,14 @@ class MasterConfig:
             raise ConfigError(f"expect_nodes: must be >= 0, got {self.expect_nodes}")
         _check_positive(self.max_connections, "max_connections")
         parse_quotas(self.tenant_quotas)
+        parse_quotas(self.tenant_keys, "tenant_keys", "keys")
 
     def quotas(self) -> dict[str, int]:
         return parse_quotas(self.tenant_quotas)
+
+    def key_limits(self) -> dict[str, int]:
+        """tenant -> keys it may have in the index ("*": any tenant not named)."""
+        return parse_quotas(self.tenant_keys, "tenant_keys", "keys")
 
 
 @dataclass(frozen=True)
@@ -235,17 +243,18 @@ def _check_server_token(token: str) -> None:
                           "credential is for clients and administrators")
 
 
-def parse_quotas(text: str) -> dict[str, int]:
-    """``"teamA=100GiB,teamB=20GiB"`` -> {"teamA": ..., "teamB": ...}; ConfigError names the entry."""
+def parse_quotas(text: str, name: str = "tenant_quotas", what: str = "size") -> dict[str, int]:
+    """``"teamA=100GiB,teamB=20GiB"`` -> {"teamA": ..., "teamB": ...} (``2M`` counts keys as
+    well as bytes); ConfigError names the entry."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         tenant, sep, size = item.partition("=")
         if not sep or not tenant.strip():
-            raise ConfigError(f"tenant_quotas: expected tenant=size, got {item!r}")
-        out[tenant.strip()] = parse_size(size.strip(), f"tenant_quotas[{tenant.strip()}]")
+            raise ConfigError(f"{name}: expected tenant={what}, got {item!r}")
+        out[tenant.strip()] = parse_size(size.strip(), f"{name}[{tenant.strip()}]")
     from .limits import MAX_TENANTS
     if len(out) > MAX_TENANTS:      # what a node's heartbeat reply can carry
-        raise ConfigError(f"tenant_quotas: at most {MAX_TENANTS} tenants, got {len(out)}")
+        raise ConfigError(f"{name}: at most {MAX_TENANTS} tenants, got {len(out)}")
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..keydigest import digest as _d, digest_list
+from ..keys import tenant_of
 
 CHECKSUM_MASK = (1 << 64) - 1
 SIZE_MASK = (1 << 40) - 1       # a packed value: checksum | size << 64 | node_slot << 104
@@ -85,6 +86,7 @@ class KeyIndex:
     def __init__(self):
         self._ns: dict[str, dict[bytes, int]] = {}
         self._dropped = 0       # namespaces emptied since _ns was last rebuilt
+        self.tenant_keys: dict[str, int] = {}   # tenant -> keys held (its namespaces' sizes)
         self.journal: Optional[dict[str, dict[bytes, bool]]] = None
         # the keys themselves, {namespace: {key: present}}, for the namespaces in key_spaces only
         self.key_journal: dict[str, dict[str, bool]] = {}
@@ -114,6 +116,7 @@ class KeyIndex:
             sub = self._ns.get(ns)
             if sub is None:
                 sub = self._ns[ns] = {}
+            before = len(sub)
             part = digests if len(pos) == len(keys) else [digests[i] for i in pos]
             vals = values if len(pos) == len(keys) else [values[i] for i in pos]
             olds = list(map(sub.get, part))
@@ -124,6 +127,7 @@ class KeyIndex:
             if ns in self.key_spaces:
                 self.key_journal.setdefault(ns, {}).update(
                     dict.fromkeys(keys if len(pos) == len(keys) else [keys[i] for i in pos], True))
+            self._count(ns, len(sub) - before)
 
     def _merge(self, sub: dict, digests: list[bytes], olds: list, values: list[int],
                slot: int) -> None:
@@ -204,6 +208,7 @@ class KeyIndex:
                 sub[d] = (v & OBJECT_MASK) | self._drop_copy(d, extra[0]) << 104
                 return True
             del sub[d]
+            self._count(ns, -1)
             if not sub:
                 self._drop_namespace(ns)
             self._note(ns, (d,), False)
@@ -232,11 +237,21 @@ class KeyIndex:
             dead = [k for k in dead if k not in kept] if kept else dead
             for k in dead:
                 del sub[k]
+            self._count(ns, -len(dead))
             if not sub:
                 self._drop_namespace(ns)
             self._note(ns, dead, False)
             n += len(dead)
         return n
+
+    def _count(self, ns: str, n: int) -> None:
+        if n:
+            t = tenant_of(ns + "/")
+            left = self.tenant_keys.get(t, 0) + n
+            if left:
+                self.tenant_keys[t] = left
+            else:
+                del self.tenant_keys[t]
 
     def _drop_namespace(self, ns: str) -> None:
         del self._ns[ns]

@@ -9,6 +9,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .. import __version__
 from ..metrics import histogram_family
 
+KEY_ROWS = 256          # tenants with a keys-per-tenant metric row of their own
+
 
 def stats(m, peer) -> dict:
     """The cluster's stats as ``peer`` may see them: an admin all, a client the nodes and its
@@ -21,6 +23,11 @@ def stats(m, peer) -> dict:
     for st in m.registry.nodes.values():
         for t, used in st.stats.get("tenants", {}).items():
             tenants.setdefault(t, {"used": 0, "quota": None})["used"] += int(used)
+    for t, n in m.index.tenant_keys.items():
+        tenants.setdefault(t, {"used": 0, "quota": None})["keys"] = n
+    for t, row in tenants.items():
+        row.setdefault("keys", 0)
+        row["key_limit"] = m.key_limits.get(t, m.key_limits.get("*"))
     if peer.role != "admin":   # a client sees the nodes and its own tenant's figures
         tenants = {t: v for t, v in tenants.items() if t == peer.tenant}
         nodes = [{k: v for k, v in n.items() if k != "tenants"} for n in nodes]
@@ -79,7 +86,14 @@ def families(m) -> list:
             used_f.add_metric([t, st.info.node_id], int(used_bytes))
     for t, q in m.quotas.items():
         quota_f.add_metric([t], q)
-    fams += [hits, misses, rejected, used_f, quota_f,
+    keys_f = GaugeMetricFamily("hicache_mc_tenant_keys", "keys in the master's index per tenant "
+                               f"(the {KEY_ROWS} with most; the rest as (other))", labels=["tenant"])
+    ranked = sorted(m.index.tenant_keys.items(), key=lambda tn: -tn[1])
+    for t, n in ranked[:KEY_ROWS]:
+        keys_f.add_metric([t], n)
+    if len(ranked) > KEY_ROWS:
+        keys_f.add_metric(["(other)"], sum(n for _, n in ranked[KEY_ROWS:]))
+    fams += [hits, misses, rejected, used_f, quota_f, keys_f,
              histogram_family("hicache_mc_master_request_seconds", "request handling time",
                               "type", m.latency)]
     return fams

@@ -15,6 +15,7 @@ from typing import Callable
 from .. import protocol as P
 from ..config import MasterConfig
 from ..link import PortProbe, local_address
+from ..keys import foreign_key, tenant_of
 from ..server import Service
 from .fences import FENCE_WAIT_S, Fences
 from .index import SIZE_MASK, KeyIndex, NodeSlots
@@ -53,10 +54,11 @@ class MasterService(Service):
                          "hits": 0, "misses": 0, "placed": 0, "copies_placed": 0, "deduplicated": 0,
                          "committed": 0, "evicted": 0, "cleared": 0, "nodes_expired": 0,
                          "fence_waits": 0,
-                         "snapshots": 0}
+                         "snapshots": 0, "key_limited": 0}
         self._next_expiry = 0.0
         self.by_namespace = NamespaceCounts()
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
+        self.key_limits: dict[str, int] = config.key_limits()   # tenant ("*": others) -> keys
         self.fences = Fences(self.registry)   # lookups whose fence is ahead of the master
         self.publisher = None       # residency updates (master/publisher.py), unless turned off
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
@@ -223,7 +225,34 @@ class MasterService(Service):
         reply, counts = placement.answer(ask, placement.place(self.registry, ask), self.registry)
         for name, n in counts._asdict().items():
             self.counters[name] += n
+        if self.key_limits:
+            reply = self._within_key_limits(msg.keys, ask, reply)
         return reply
+
+    def _within_key_limits(self, keys: list[str], ask, reply: P.PlaceReply) -> P.PlaceReply:
+        """``reply`` with no node for the keys new to the index past their tenants' key limits
+        (their put answers False). Counted against the keys the index holds now: Places in
+        flight may take a tenant over by what they place."""
+        room: dict[str, float] = {}
+        t = tenant_of(keys[0]) if keys else ""
+        one = foreign_key(keys, t) is None      # the usual Place: one tenant's keys
+        targets, copies, over = list(reply.targets), list(reply.copies), 0
+        for i, held in enumerate(ask.held):
+            if held:
+                continue
+            tenant = t if one else tenant_of(keys[i])
+            left = room.get(tenant)
+            if left is None:
+                limit = self.key_limits.get(tenant, self.key_limits.get("*"))
+                left = float("inf") if limit is None else limit - self.index.tenant_keys.get(tenant, 0)
+            room[tenant] = left - 1
+            if left <= 0:
+                targets[i], over = "", over + 1
+                if copies:
+                    copies[i] = []
+        self.counters["key_limited"] += over
+        self.counters["placed"] -= over
+        return P.PlaceReply(targets, reply.nodes, copies if any(copies) else []) if over else reply
 
     def on_StatsRequest(self, msg, ident, req_id):
         return P.StatsReply(report.stats(self, self.peer))

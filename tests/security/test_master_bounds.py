@@ -216,3 +216,29 @@ def test_one_tenant_takes_a_bounded_share_of_the_namespace_labels(bounded):
     a_labels = {ns for ns in labels if ns.endswith("@teamA") and not ns.startswith("(other)")}
     assert "mine@teamB" in labels, sorted(labels)[:50]
     assert 0 < len(a_labels) <= 32 and "(other)@teamA" in labels
+
+
+def test_a_tenant_holds_no_more_keys_in_the_master_than_its_limit(tmp_path):
+    """tenant_keys = teamC=100: of 150 keys put at once, 100 are placed and stored and 50
+    answer False (each key costs the master ~160 B); once 40 are cleared, 40 more fit."""
+    c = Cluster(tmp_path, heartbeat_s=0.25, liveness=8, token=TOKEN)
+    c.env["HICACHE_MC_MASTER_TENANT_KEYS"] = "teamC=100"
+    c.start_master(("--metrics-port", str(free_port())))
+    c.add_node(dram="64MiB")
+    C = issue(TOKEN, "client", "teamC").text()
+    buf = np.zeros(64, np.uint8)
+    try:
+        c.wait_nodes(1)
+        with StoreClient(c.master, token=C) as cl:
+            keys = [f"lim@teamC/{i:064x}/k" for i in range(150)]
+            ok = cl.batch_put_from(keys, [buf.ctypes.data] * 150, [64] * 150)
+            assert sum(ok) == 100 and ok[:100] == [True] * 100
+            st = admin_stats(c)
+            assert st["tenants"]["teamC"]["keys"] == 100 and st["tenants"]["teamC"]["key_limit"] == 100
+            assert st["key_limited"] == 50
+            for k in keys[:40]:
+                assert cl.clear(k) == 1
+            c.wait_keys(60)
+            assert sum(cl.batch_put_from(keys[100:], [buf.ctypes.data] * 50, [64] * 50)) == 40
+    finally:
+        c.stop()
