@@ -70,3 +70,10 @@ def test_hashes_that_differ_in_any_one_word_have_distinct_digests():
     assert len(set(K.key_prefixes(keys, NS).tolist())) == len(keys)
     a, b = "1" * 16, "2" * 16
     assert K.digest(f"{NS}/{a}{b}{a}{a}/k") != K.digest(f"{NS}/{b}{a}{a}{a}/k")
+
+
+def test_a_batch_of_several_namespaces_is_digested_as_each_key_alone():
+    keys = batch_page_keys(NS, HASHES, ("k", "v")) + batch_page_keys("other", HASHES[:9], ("kv",)) \
+        + [f"{NS}/plain", "nons"] + [f"n{i}/{HASHES[i]}/k" for i in range(3)]
+    assert K.digest_list(keys) == [K.digest(k) for k in keys]
+    assert K.digests(keys) == b"".join(K.digest(k) for k in keys)

@@ -111,7 +111,7 @@ class KeyIndex:
         hi = slot << 104
         values = [(c & CHECKSUM_MASK) | (s & SIZE_MASK) << 64 | hi for s, c in zip(sizes, checksums)]
         groups = _groups(keys)
-        digests = digest_list(keys, groups[0][0] if len(groups) == 1 else None)
+        digests = digest_list(keys, groups[0][0] if len(groups) == 1 and "/" in keys[0] else None)
         for ns, pos in groups:
             sub = self._ns.get(ns)
             if sub is None:
