@@ -3,13 +3,13 @@ a client's view looks up.
 
 A *page key* ``<namespace>/<page hash>/<part>`` (the page hash exactly 64 hex digits, as
 SGLang's SHA-256 page hashes are, the part at most 15 bytes) is digested from its page hash,
-which is already a hash: its 32 bytes as four little-endian 64-bit words, each folded
-(``w ^ w >> 32``), the digest's two halves are ``w . MIX[:, 0]`` and ``w . MIX[:, 1]`` (mod
-2^64), XOR the namespace's salt (xxh3-128 of the namespace), XOR the part (its bytes,
-zero-padded, its length in the last byte). Fold and odd multipliers are one-to-one, so hashes
-that differ in one word (a counter written in hex, say) never share a digest, and the fold
-carries a word's high bits into the low ones the product spreads from: 100k hashes of
-counters, shifted counters and repeated halves share no 8-byte prefix (tests/test_keydigest.py). So a view answers a chain of SGLang pages from
+which is already a hash: its 32 bytes as eight little-endian 32-bit words ``w``, the digest's
+two halves are ``w . MIX[:, 0]`` and ``w . MIX[:, 1]`` (64-bit products and sums, mod 2^64),
+XOR the namespace's salt (xxh3-128 of the namespace), XOR the part (its bytes, zero-padded, its
+length in the last byte). An odd multiplier is one-to-one, so hashes that differ in one word
+(a counter written in hex, say) never share a digest, and a 32-bit word's every bit reaches
+the 64-bit product's upper half: 150k hashes of counters, shifted counters and repeated halves
+share no 8-byte prefix (tests/test_keydigest.py). So a view answers a chain of SGLang pages from
 their hex hashes in one vectorised pass (``page_prefixes``: one hex decode, one matrix product)
 instead of building every key and hashing it again (benchmarks/bench_view.py). Every other key
 is digested by xxh3-128 of its text.
@@ -24,8 +24,9 @@ token a namespace is one tenant's, whose clients may clear each other's keys any
 """
 from __future__ import annotations
 
+import enum
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 from xxhash import xxh3_128_digest
@@ -33,12 +34,28 @@ from xxhash import xxh3_128_digest
 HASH_HEX = 64           # SGLang's page hash: SHA-256, lowercase hex
 MAX_PART = 15           # bytes of a page key's part (the 16th byte of its term is the length)
 _SEP = ord("/")
-# odd 64-bit multipliers (the finalisers of SplitMix64 and MurmurHash3), one column per half
-MIX = np.array([[0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], [0x165667B19E3779F9, 0xD6E8FEB86659FD93],
-                [0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53], [0x94D049BB133111EB, 0xBF58476D1CE4E5B9]],
+# odd 64-bit multipliers (the first 16 outputs of SplitMix64 from 0, made odd), one column per
+# half of the digest, one row per 32-bit word of the hash
+MIX = np.array([[0xe220a8397b1dcdaf, 0x3ee5789041c98ac3], [0x6e789e6aa1b965f5, 0xf3b8488c368cb0a7],
+                [0x06c45d188009454f, 0x657eecdd3cb13d09], [0xf88bb8a8724c81ed, 0xc2d326e0055bdef7],
+                [0x1b39896a51a8749b, 0x8621a03fe0bbdb7b], [0x53cb9f0c747ea2eb, 0x8e1f7555983aa92f],
+                [0x2c829abe1f4532e1, 0xb54e0f1600cc4d19], [0xc584133ac916ab3d, 0x84bb3f97971d80ab]],
                dtype=np.uint64)
 _MIX = [[int(x) for x in col] for col in MIX.T]
+_MIX0 = np.ascontiguousarray(MIX[:, 0])    # the first half alone: a view's 8-byte prefix
 _M64 = (1 << 64) - 1
+SHORTEST = HASH_HEX + 2     # a page key's least length: "/<hash>/" (an empty namespace and part)
+
+
+class Kind(enum.Enum):
+    PAGES = "every key a page key"
+    TEXT = "no key a page key"
+    MIXED = "some are, or the batch's shape does not tell"
+
+
+class Batch(NamedTuple):
+    kind: Kind
+    rows: Optional[np.ndarray] = None   # PAGES: the digests as rows of two uint64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -73,10 +90,26 @@ def digest(key: str) -> bytes:
     if page is None or len(page[1]) != HASH_HEX // 2:
         return xxh3_128_digest(key.encode())
     ns, h, part = page
-    w = [int.from_bytes(h[i:i + 8], "little") for i in range(0, 32, 8)]
-    w = [x ^ x >> 32 for x in w]
+    w = [int.from_bytes(h[i:i + 4], "little") for i in range(0, 32, 4)]
     lo, hi = (sum(k * x for k, x in zip(col, w)) & _M64 for col in _MIX)
     return ((lo | hi << 64) ^ int.from_bytes(_term(ns, part), "little")).to_bytes(16, "little")
+
+
+def _text(keys: list[str]) -> list[bytes]:
+    """xxh3-128 of each key's text, in C-level loops (~0.05 us a key)."""
+    return list(map(xxh3_128_digest, map(str.encode, keys)))
+
+
+def _classify(keys: list[str], ns: Optional[str]) -> Batch:
+    """What a batch of keys is, at C speed where its shape tells: keys too short to be page
+    keys (most keys that are not SGLang's), or keys of one namespace and one length whose
+    separator column says which they are."""
+    longest = max(map(len, keys))
+    if longest < SHORTEST:
+        return Batch(Kind.TEXT)
+    if ns is None or len(keys) <= 4:
+        return Batch(Kind.MIXED)
+    return _page_batch(keys, ns, longest)
 
 
 def digest_list(keys: list[str], ns: Optional[str] = None) -> list[bytes]:
@@ -84,10 +117,14 @@ def digest_list(keys: list[str], ns: Optional[str] = None) -> list[bytes]:
     a batch of same-length page keys is digested in one vectorised pass; without, each
     namespace's keys are (a hybrid model's pools, a node's inventory), but for namespaces of a
     few keys (a pass costs ~10 us, a key alone ~2 us)."""
-    if ns is not None:
-        rows = _page_batch(keys, ns) if len(keys) > 4 else None
-        return list(map(digest, keys)) if rows is None else rows.view("V16").ravel().tolist()
-    if len(keys) <= 4:
+    if not keys:
+        return []
+    batch = _classify(keys, ns)
+    if batch.kind is Kind.PAGES:
+        return batch.rows.view("V16").ravel().tolist()
+    if batch.kind is Kind.TEXT:
+        return _text(keys)
+    if ns is not None or len(keys) <= 4:
         return list(map(digest, keys))
     groups: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
@@ -118,44 +155,47 @@ def _one_namespace(keys: list[str]) -> Optional[str]:
     return None
 
 
-def _page_batch(keys: list[str], ns: str) -> Optional[np.ndarray]:
-    """The digests, as rows of two little-endian uint64 (16 bytes), of keys of namespace ``ns``
-    that are all page keys of one length; None when they are not."""
+def _page_batch(keys: list[str], ns: str, longest: int) -> Batch:
+    """Keys of namespace ``ns``, the longest ``longest`` long: their digests when all are page
+    keys of one length (rows of two little-endian uint64), TEXT when none can be, else MIXED."""
     n, width = len(keys), len(keys[0])
-    part = width - len(ns) - HASH_HEX - 2
     raw = "".join(keys)
-    # every key is `width` long: the lengths add up, and none is longer
-    if not 0 <= part <= MAX_PART or len(raw) != n * width or max(map(len, keys)) != width:
-        return None
+    if len(raw) != n * width or longest != width:   # (lengths that add up, none longer: equal)
+        return Batch(Kind.MIXED)
+    part = width - len(ns) - HASH_HEX - 2
+    if not 0 <= part <= MAX_PART:
+        return Batch(Kind.TEXT)
     try:
         rows = np.frombuffer(raw.encode("ascii"), np.uint8).reshape(n, width)
     except UnicodeEncodeError:
-        return None
+        return Batch(Kind.MIXED)
     at = len(ns) + 1
-    if (rows[:, at + HASH_HEX] != _SEP).any():
-        return None
+    sep = rows[:, at + HASH_HEX] == _SEP
+    if not sep.all():
+        return Batch(Kind.TEXT if not sep.any() else Kind.MIXED)
     try:
         hashes = bytes.fromhex(rows[:, at:at + HASH_HEX].tobytes().decode("ascii"))
     except ValueError:
-        return None
+        return Batch(Kind.MIXED)
     if len(hashes) != n * HASH_HEX // 2:    # (fromhex skips whitespace)
-        return None
+        return Batch(Kind.MIXED)
     term = np.zeros((n, 16), np.uint8)
     term[:, :part] = rows[:, at + HASH_HEX + 1:]
     term[:, 15] = part
     term ^= np.frombuffer(_salt(ns), np.uint8)
-    out = _folded(hashes, n) @ MIX
+    out = _words(hashes, n) @ MIX
     out ^= term.view("<u8")
-    return out
+    return Batch(Kind.PAGES, out)
 
 
 def key_prefixes(keys: list[str], ns: Optional[str] = None) -> np.ndarray:
     """The first 8 bytes of each key's digest, as uint64 (what a view looks up); ``ns`` as for
     ``digest_list``."""
-    rows = _page_batch(keys, ns) if ns is not None and len(keys) > 4 else None
-    if rows is None:
-        return np.frombuffer(b"".join(map(digest, keys)), "<u8")[::2]
-    return rows.view("<u8")[:, 0]
+    batch = _classify(keys, ns) if keys else Batch(Kind.TEXT)
+    if batch.kind is Kind.PAGES:
+        return batch.rows[:, 0]
+    digested = _text(keys) if batch.kind is Kind.TEXT else map(digest, keys)
+    return np.frombuffer(b"".join(digested), "<u8")[::2]
 
 
 def page_prefixes(ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Optional[np.ndarray]:
@@ -175,20 +215,17 @@ def page_prefixes(ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Op
     terms = _terms8(ns, tuple(parts))
     if terms is None:
         return None
-    first = _folded(hashes, n) @ MIX[:, 0]
+    first = _words(hashes, n) @ _MIX0
     if len(terms) == 1:
         first ^= terms[0]
         return first
     return (first[:, None] ^ terms).ravel()
 
 
-def _folded(hashes: bytes, n: int) -> np.ndarray:
-    """The ``n`` hashes as rows of four little-endian words, each folded: ``w ^ w >> 32``."""
-    w = np.frombuffer(hashes, "<u8").reshape(n, 4)
-    return w ^ (w >> _32)
-
-
-_32 = np.uint64(32)
+def _words(hashes: bytes, n: int) -> np.ndarray:
+    """The ``n`` hashes as rows of eight little-endian 32-bit words (a product with MIX is taken
+    in 64 bits)."""
+    return np.frombuffer(hashes, "<u4").reshape(n, 8)
 
 
 @functools.lru_cache(maxsize=256)

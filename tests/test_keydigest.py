@@ -64,7 +64,8 @@ def test_hashes_that_differ_in_any_one_word_have_distinct_digests():
     their last bytes or by two words swapped, never share a digest (nor an 8-byte prefix)."""
     counters = {f"{i:064x}" for i in range(20000)} | {f"{i << 200:064x}" for i in range(1, 5000)} \
         | {f"{i << 128:064x}" for i in range(1, 20000)} | {f"{i:032x}" * 2 for i in range(1, 20000)} \
-        | {f"{i << 60:064x}" for i in range(1, 20000)} | {f"{i:x}".ljust(64, "0") for i in range(1, 20000)}
+        | {f"{i << 60:064x}" for i in range(1, 20000)} | {f"{i:x}".ljust(64, "0") for i in range(1, 20000)} \
+        | {f"{i << 31:064x}" for i in range(1, 20000)} | {f"{i << 32 | i:064x}" for i in range(1, 20000)}
     keys = batch_page_keys(NS, sorted(counters), ("k",))
     assert len(set(K.digest_list(keys, NS))) == len(keys)
     assert len(set(K.key_prefixes(keys, NS).tolist())) == len(keys)

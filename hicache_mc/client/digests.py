@@ -53,7 +53,7 @@ class DigestSet:
     def mask(self, q: np.ndarray) -> np.ndarray:
         """Per prefix in ``q``: is it in the set? (a bool array)"""
         base, added, removed = self._state
-        hit = base[np.searchsorted(base, q)] == q
+        hit = base[base.searchsorted(q)] == q
         if len(removed):
             hit &= ~_in(removed, q)
         if len(added):

@@ -183,7 +183,8 @@ class ResidencyView:
             return None
         self.counters["view_answers"] += 1
         hit = self.own.add_to(sp.keys.mask(q), q)
-        return len(page_hashes) if hit.all() else int(hit.argmin()) // len(parts)
+        first_miss = int(hit.argmin())      # (0 when every key is stored: then hit[0] holds)
+        return len(page_hashes) if hit[first_miss] else first_miss // len(parts)
 
     def close(self) -> None:
         with self._lock:
@@ -382,6 +383,8 @@ class OwnWrites:
     def add_to(self, hit, q):
         """``hit`` (a bool array over the prefixes ``q``) with this client's writes set."""
         cur, cur_until, old, old_until = self._gens
+        if not cur and not old:     # a client that wrote nothing lately
+            return hit
         now = time.monotonic()
         live = [g for g, until in ((cur, cur_until), (old, old_until)) if g and now < until]
         if live and not hit.all():      # only the view's misses are looked up here
