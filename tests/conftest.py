@@ -28,6 +28,14 @@ def store(tmp_path):
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny Qwen2 with random weights and a trained tokenizer, for live SGLang servers
+    (tests/live): made once per session."""
+    from live.model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """An empty Cluster: start a master and nodes as separate processes as the test needs."""
