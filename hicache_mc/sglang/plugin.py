@@ -28,6 +28,9 @@ arguments, reads ``HICACHE_MC_*``. ``SGLANG_PLUGINS``, when set, must name ``hic
 """
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("hicache_mc.sglang")
 NAME = "hicache_mc"
 KV_BACKEND = ("hicache_mc.sglang", "HiCacheMC")
 EMBEDDING_STORE = ("hicache_mc.sglang.embedding_store", "HiCacheMCEmbeddingStore")
@@ -83,10 +86,15 @@ def _create(original, cls, backend_name, backend_class, storage_config, *args, *
 
 
 def _zero_copy(_result, controller, *args, **kwargs) -> None:
+    if controller.storage_backend_type != NAME:
+        return
     extra = getattr(controller.storage_config, "extra_config", None) or {}
-    if controller.storage_backend_type == NAME and bool(extra.get("interface_v1", 1)):
+    zero_copy = bool(extra.get("interface_v1", 1))
+    if zero_copy:
         controller.page_get_func = controller._page_get_zero_copy
         controller.page_set_func = controller._page_set_zero_copy
+    logger.info("hicache_mc: SGLang's page path: %s", "zero-copy (batch_get_v1 / batch_set_v1)"
+                if zero_copy else "generic (batch_get / batch_set; interface_v1 0)")
 
 
 def _backup_per_rank(original, controller, transfer) -> bool:
