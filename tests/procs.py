@@ -152,11 +152,12 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(f"master did not see {n} nodes in {timeout_s}s; logs:\n{self.logs()}")
 
-    def wait_keys(self, n: int, timeout_s: float = 20.0) -> dict:
+    def wait_keys(self, n: int, timeout_s: float = 20.0, at_least: bool = False) -> dict:
+        """Wait until the master indexes ``n`` keys (``at_least``: ``n`` or more)."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             st = self.stats(0.5)
-            if st is not None and st["keys"] == n:
+            if st is not None and (st["keys"] >= n if at_least else st["keys"] == n):
                 return st
             time.sleep(0.05)
         raise TimeoutError(f"master did not reach {n} keys in {timeout_s}s")
