@@ -30,6 +30,7 @@ NOT_RUN = {
     "hicache_mc.sglang.kv_events": "a bridge that runs until stopped, for a master on another "
                                    "host (tests/sglang/test_kv_events.py runs it)",
     "test_live_server.py": "tests of the suite itself (live SGLang servers, minutes)",
+    "test_plugin_order.py": "tests of the suite itself (a fresh SGLang per case)",
 }
 SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
 PREFIXES = {"sudo", "exec", "nohup", "time"}    # words that still leave a command to come

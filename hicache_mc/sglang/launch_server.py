@@ -1,11 +1,9 @@
 """``python -m hicache_mc.sglang.launch_server [SGLang's launch_server arguments]``
 
 ``python -m sglang.launch_server`` with hicache-mc's plugin (``hicache_mc.sglang.plugin``) loaded
-even where its entry point is not installed (a checkout on ``PYTHONPATH``). It also registers
-at import: SGLang 0.5.23 starts an encoder's extra workers (``--encoder-only`` with
-``--tp-size`` or ``--dp-size`` above 1) with multiprocessing ``spawn`` and without loading
-plugins, and ``spawn`` imports the parent's ``__main__`` module again, so
-``--mm-global-cache-backend hicache_mc`` reaches those workers through this launcher only.
+even where its entry point is not installed (a checkout on ``PYTHONPATH``). It loads the plugin
+at import: SGLang's ``spawn`` workers import the parent's ``__main__`` module again, and without
+the entry point their own ``load_plugins()`` would not find it.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 ``--mm-global-cache-backend hicache_mc`` on plain ``python -m sglang.launch_server`` / ``sglang serve``.
 
 SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group before it parses its
-arguments, in the launching process and again in each scheduler process (``load_plugins``, then
-``HookRegistry.apply_hooks``). hicache-mc declares ``load`` there (pyproject.toml). It registers
-both backends with SGLang's factories and five hooks, each a pass-through for other backends:
+arguments, in the launching process and again in each scheduler, detokenizer and DP-controller
+process (``load_plugins``, then ``HookRegistry.apply_hooks``). hicache-mc declares ``load``
+there (pyproject.toml). It registers both backends with SGLang's factories and five hooks, each
+a pass-through for other backends:
 
 - ``ServerArgs.add_cli_args``: ``hicache_mc`` joins the choices of both flags (closed lists).
 - ``StorageBackendFactory._create_builtin_backend``: builds ``HiCacheMC(storage_config, {})``;
@@ -22,6 +23,15 @@ both backends with SGLang's factories and five hooks, each a pass-through for ot
   refuses would leave the controller attached with its threads running. The hook detaches
   before the error goes up, so SGLang is attached fully or not at all.
 
+SGLang's registry resolves a target when the plugins load and never again, so a hook whose
+module could not be imported then would stay off in that process. ``load`` registers each hook
+with SGLang's ``HookRegistry`` when its module has been imported (``post_import``): at once if
+it is (``load_plugins`` applies it with the other plugins' hooks), else right after Python has
+run that module (and applies it then), whatever the process imported first and without
+importing SGLang's cache modules where nothing uses them. It also puts ``PluginsFirst`` in
+place of the spawn targets of SGLang's encoder, whose TP and DP workers load no plugins
+(``spawn_targets``).
+
 Settings: the KV backend reads ``--hicache-storage-backend-extra-config`` (JSON or ``@file``,
 parsed by SGLang) over ``HICACHE_MC_*``; the embedding store, which SGLang creates without
 arguments, reads ``HICACHE_MC_*``. ``SGLANG_PLUGINS``, when set, must name ``hicache_mc``.
@@ -29,20 +39,31 @@ arguments, reads ``HICACHE_MC_*``. ``SGLANG_PLUGINS``, when set, must name ``hic
 from __future__ import annotations
 
 import logging
+from functools import partial
+from typing import Callable, NamedTuple
+
+from . import spawn_targets
+from .post_import import executed, when_imported
 
 logger = logging.getLogger("hicache_mc.sglang")
 NAME = "hicache_mc"
+DIST = "hicache-mc"
 KV_BACKEND = ("hicache_mc.sglang", "HiCacheMC")
 EMBEDDING_STORE = ("hicache_mc.sglang.embedding_store", "HiCacheMCEmbeddingStore")
 CLI_FIELDS = ("hicache_storage_backend", "mm_global_cache_backend")
-HOOKS = ("sglang.srt.server_args.ServerArgs.add_cli_args",
-         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend",
-         "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend",
-         "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
-         ".should_backup",
-         "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
-         ".attach_storage_backend")
 _hooks_registered = False
+
+
+class Hook(NamedTuple):
+    """One hook: SGLang's ``module.attribute`` wrapped by ``function`` (a ``HookType`` name)."""
+    module: str
+    attribute: str
+    kind: str
+    function: Callable
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attribute}"
 
 
 def register_backends() -> None:
@@ -57,18 +78,34 @@ def register_backends() -> None:
 
 
 def load() -> None:
-    """The entry point: both factories, then the hooks (``load_plugins`` applies them)."""
+    """The entry point: both factories, then each hook as its module arrives, and the
+    encoder's spawn targets."""
     global _hooks_registered
     register_backends()
     if _hooks_registered:
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    for target, hook, kind in zip(HOOKS, (_add_choices, _create, _zero_copy, _backup_per_rank,
-                                          _attach_or_roll_back),
-                                  (HookType.AFTER, HookType.AROUND, HookType.AFTER,
-                                   HookType.AROUND, HookType.AROUND)):
-        HookRegistry.register(target, hook, kind)
     _hooks_registered = True
+    for hook in HOOKS:
+        if executed(hook.module):
+            _register(hook)             # load_plugins applies it with the other plugins' hooks
+        else:
+            when_imported(hook.module, partial(_register_late, hook))
+    for module, name in spawn_targets.ENCODER_WORKERS:
+        when_imported(module, partial(spawn_targets.install, name))
+
+
+def _register(hook: Hook) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+    HookRegistry.register(hook.target, hook.function, HookType[hook.kind],
+                          source=HookSource(plugin_name=NAME, dist_name=DIST))
+
+
+def _register_late(hook: Hook, _module) -> None:
+    """The module arrived after ``load_plugins`` applied the hooks: apply this one now (the
+    registry skips every target it has patched already)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    _register(hook)
+    HookRegistry.apply_hooks()
 
 
 def _add_choices(_result, parser) -> None:
@@ -115,3 +152,15 @@ def _attach_or_roll_back(original, controller, *args, **kwargs):
         if controller.enable_storage and isinstance(controller.storage_backend, HybridPools):
             controller.detach_storage_backend()     # threads stopped, HiCacheMC closed
         raise
+
+
+# below the functions it names
+HOOKS = (Hook("sglang.srt.server_args", "ServerArgs.add_cli_args", "AFTER", _add_choices),
+         Hook("sglang.srt.mem_cache.storage.backend_factory",
+              "StorageBackendFactory._create_builtin_backend", "AROUND", _create),
+         Hook("sglang.srt.managers.cache_controller", "HiCacheController.attach_storage_backend",
+              "AFTER", _zero_copy),
+         Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+              "HybridCacheController.should_backup", "AROUND", _backup_per_rank),
+         Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+              "HybridCacheController.attach_storage_backend", "AROUND", _attach_or_roll_back))

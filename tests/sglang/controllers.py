@@ -47,6 +47,26 @@ def clear_layout() -> None:
     get_parallel().clear_stamp()
 
 
+def attached_controller(backend: str, extra: dict) -> HiCacheController:
+    """SGLang's cache controller over a small MHA host pool, attaching ``backend`` as the
+    scheduler does (its factory, its choice of page path)."""
+    dev = MHATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=32,
+                           layer_num=2, device="cpu", enable_memory_saver=False,
+                           start_layer=0, end_layer=1)
+    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, 16,
+                                "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=dev.size, start_layer=0, end_layer=1)
+    allocator = PagedTokenToKVPoolAllocator(64, 16, torch.bfloat16, "cpu", dev, need_sort=False)
+    single_rank_layout()
+    try:
+        return HiCacheController(allocator, host, 16, None, threading.Event(),
+                                 write_policy="write_through", io_backend="direct",
+                                 storage_backend=backend, model_name="test/plugin",
+                                 storage_backend_extra_config=extra)
+    finally:
+        clear_layout()
+
+
 class CallLog:
     """Which controller thread called which backend method, and with how many keys."""
 

@@ -6,7 +6,6 @@ import importlib.metadata as md
 import json
 import os
 import sys
-import threading
 
 from sglang_env import apply_torchvision_stub
 
@@ -15,7 +14,6 @@ os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
 os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
 
 import sglang.launch_server  # noqa: E402
-import torch  # noqa: E402
 from sglang.cli.main import main as sglang_cli  # noqa: E402
 
 MASTER = sys.argv[1]
@@ -45,46 +43,22 @@ try:
 except SystemExit as exc:
     out["bogus"] = f"exit {exc.code}"
 
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 import hicache_mc  # noqa: E402
 from hicache_mc.sglang import plugin  # noqa: E402
-from controllers import clear_layout, single_rank_layout  # noqa: E402
+from controllers import attached_controller  # noqa: E402
 
 out["hicache_mc"] = hicache_mc.__file__
-out["hooked"] = sorted(set(plugin.HOOKS) & HookRegistry._patched)
-
-
-def kv_controller(backend: str, extra: dict) -> HiCacheController:
-    """SGLang's cache controller attaching ``backend`` as the scheduler does."""
-    dev = MHATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=32,
-                           layer_num=2, device="cpu", enable_memory_saver=False,
-                           start_layer=0, end_layer=1)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, 16,
-                                "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=dev.size, start_layer=0, end_layer=1)
-    allocator = PagedTokenToKVPoolAllocator(64, 16, torch.bfloat16, "cpu", dev, need_sort=False)
-    single_rank_layout()
-    try:
-        return HiCacheController(allocator, host, 16, None, threading.Event(),
-                                 write_policy="write_through", io_backend="direct",
-                                 storage_backend=backend, model_name="test/plugin",
-                                 storage_backend_extra_config=extra)
-    finally:
-        clear_layout()
-
+out["hooked"] = sorted({h.target for h in plugin.HOOKS} & HookRegistry._patched)
 
 extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(
     args.hicache_storage_backend_extra_config)
 out["threshold"] = threshold
 for name, cfg in (("kv", extra), ("kv_interface_v1_0", {**extra, "interface_v1": 0})):
-    ctl = kv_controller(args.hicache_storage_backend, cfg)
+    ctl = attached_controller(args.hicache_storage_backend, cfg)
     b = ctl.storage_backend
     out[name] = [f"{type(b).__module__}.{type(b).__name__}", b.client_config.master,
                  ctl.page_get_func.__name__, ctl.page_set_func.__name__]
