@@ -19,7 +19,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import requests
 
-from procs import free_port
+from procs import lasting_port
 
 HERE = Path(__file__).resolve().parent
 # The stand-ins every server process imports (tests only): the torchvision stub of the
@@ -93,13 +93,13 @@ class SGLangServer:
     def __init__(self, name: str, model: Path, master: str, workdir: Path,
                  options: ServerOptions = ServerOptions()):
         self.name, self.model, self.master, self.options = name, Path(model), master, options
-        self.port = free_port()
+        self.port = lasting_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"{name}.log"
         self.kv_events: Optional[KVEventsEndpoints] = None
         if options.kv_events:
-            self.kv_events = KVEventsEndpoints(f"tcp://127.0.0.1:{free_port()}",
-                                               f"tcp://127.0.0.1:{free_port()}", "kv")
+            self.kv_events = KVEventsEndpoints(f"tcp://127.0.0.1:{lasting_port()}",
+                                               f"tcp://127.0.0.1:{lasting_port()}", "kv")
         self.proc: Optional[subprocess.Popen] = None
         self.http = requests.Session()
 
