@@ -16,7 +16,8 @@ API (``tests/`` is on ``sys.path`` in every test, so ``import live``):
   ``n`` servers at once, waits until every one is ready, yields them as a list and stops them
   all on the way out, whatever happened. ``live.SGLangServer(...).start()`` with
   ``live.wait_ready([...])`` does the same by hand, for servers with different options or
-  stores (then stop each with ``.stop()`` in a ``finally`` or an ``ExitStack``).
+  stores (call ``live.build_page_hash()`` first, and stop each with ``.stop()`` in a
+  ``finally`` or an ``ExitStack``).
 - ``SGLangServer``: ``.url`` (``http://127.0.0.1:<port>``), ``.port``, ``.name``,
   ``.kv_events`` (``KVEventsEndpoints(publisher, replay, topic)``: connect a SUB to
   ``publisher``, a DEALER to ``replay``; None unless asked for), ``.generate(input_ids=... |
@@ -54,8 +55,9 @@ A server takes about a minute to start on two busy cores and holds about 2 GiB (
 processes); keep them module-scoped.
 """
 from .model import TinyModel, make_tiny_model, prompt_ids, prompt_text
-from .server import (Generation, KVEventsEndpoints, SGLangServer, ServerOptions,
+from .server import (Generation, KVEventsEndpoints, SGLangServer, ServerOptions, build_page_hash,
                      start_servers, wait_ready)
 
 __all__ = ["Generation", "KVEventsEndpoints", "SGLangServer", "ServerOptions", "TinyModel",
-           "make_tiny_model", "prompt_ids", "prompt_text", "start_servers", "wait_ready"]
+           "build_page_hash", "make_tiny_model", "prompt_ids", "prompt_text", "start_servers",
+           "wait_ready"]

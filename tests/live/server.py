@@ -30,13 +30,20 @@ SERVER_PATH = (HERE.parent / "stubs", HERE / "server_path")
 SERVER_MODULES = ("fastapi", "uvicorn", "uvloop", "setproctitle", "jsonschema", "xgrammar",
                   "multipart", "interegular", "einops", "soundfile")
 PR_SET_PDEATHSIG = 1
+# SGLang hashes pages with a torch C++ extension that it compiles on first use (about 30 s
+# here). Built once per environment, not in the directory every checkout of the machine shares,
+# where their differing sources rebuild it in turn.
+TORCH_EXTENSIONS = os.path.join(sys.prefix, "torch_extensions")
+_page_hash_built = False
 
 
 @dataclass(frozen=True)
 class ServerOptions:
     """How a server is started. The defaults give HiCache with the L3 on the zero-copy path,
-    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, and the
-    backend gives up on a dead store after ``timeout_s``."""
+    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, lookups ask
+    the master (``view: off``: a residency view follows the master by milliseconds, and a test
+    that reads right after another server wrote would race it), and the backend gives up on a
+    dead store after ``timeout_s``."""
     page_size: int = 16
     mem_layout: str = "page_first_direct"     # or layer_first: what cpu_hicache can move
     prefetch_policy: str = "wait_complete"
@@ -44,7 +51,8 @@ class ServerOptions:
     # times (its defaults), in case a backup is still committing: on an idle CPU server that
     # held each miss ~70 s. Tests wait for their pages to be stored instead.
     miss_polls: int = 0
-    backend_config: Mapping[str, object] = field(default_factory=lambda: {"timeout_s": 2.0})
+    backend_config: Mapping[str, object] = field(
+        default_factory=lambda: {"timeout_s": 2.0, "view": "off"})
     max_total_tokens: int = 4096              # device (L1) tokens; the host pool holds 2x
     kv_events: bool = False                   # --kv-events-config on two free ports
     metrics: bool = False                     # --enable-metrics: GET /metrics
@@ -78,6 +86,19 @@ def check_server_modules() -> None:
     if missing:
         raise RuntimeError(f"SGLang's server needs {', '.join(missing)}: run `make setup` "
                            "(requirements/sglang-cpu.txt)")
+
+
+def build_page_hash() -> None:
+    """Compile SGLang's page hash before the servers start (once per process; a no-op when the
+    environment has it): else each server compiles it in its first L3 lookup, the servers of
+    a test in turn, while that lookup's request waits."""
+    global _page_hash_built
+    if _page_hash_built:
+        return
+    subprocess.run([sys.executable, "-c", "from sglang.srt.mem_cache.utils import get_hash_str; "
+                    "get_hash_str([1, 2, 3])"], check=True, timeout=900,
+                   env=dict(os.environ, TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS))
+    _page_hash_built = True
 
 
 def _die_with_parent() -> None:
@@ -133,7 +154,8 @@ class SGLangServer:
         env.update(PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
                    SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="hicache_mc,cpu_hicache",
                    # two cores shared by every server of a test: one compute thread each
-                   OMP_NUM_THREADS="1", **self.options.env)
+                   OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
+        env.update(self.options.env)
         return env
 
     def start(self) -> "SGLangServer":
@@ -237,6 +259,7 @@ def start_servers(model: Path, master: str, workdir: Path, n: int = 1,
     """Start ``n`` servers against one store at once, wait until all are ready, yield them,
     and stop every one on the way out, whatever happened (a failed start included)."""
     names = list(names or [f"sglang{i}" for i in range(n)])
+    build_page_hash()
     with ExitStack() as stack:
         servers = []
         for name in names:
