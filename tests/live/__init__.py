@@ -26,6 +26,10 @@ API (``tests/`` is on ``sys.path`` in every test, so ``import live``):
   ``meta_info``), ``.loads()`` (``GET /v1/loads``), ``.metrics()`` (``GET /metrics``),
   ``.log()`` (the tail of ``<workdir>/<name>.log``), ``.alive``, ``.stop()``.
 
+Load reports: ``.loads()`` polls ``GET /v1/loads`` (per DP rank: queues, token usage, ...).
+SGLang's load PUB (``--load-publish-endpoint``) binds a wildcard host only, never 127.0.0.1, so
+the harness leaves it off (``extra_args`` can still turn it on).
+
 Each server is a process group of its own (launcher, scheduler, detokenizer): ``stop()``
 signals the group, and a server whose pytest process dies gets SIGKILL from the kernel
 (``PR_SET_PDEATHSIG``), so no test leaves one behind. Start servers from the main thread (the
