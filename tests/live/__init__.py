@@ -23,7 +23,9 @@ API (``tests/`` is on ``sys.path`` in every test, so ``import live``):
   ``publisher``, a DEALER to ``replay``; None unless asked for), ``.generate(input_ids=... |
   text=..., max_new_tokens, logprob_start_len)`` -> ``Generation`` (output ids, prompt /
   cached / storage tokens, ``storage_backend``, input and output logprobs, the raw
-  ``meta_info``), ``.loads()`` (``GET /v1/loads``), ``.metrics()`` (``GET /metrics``),
+  ``meta_info``), ``.first_token(input_ids)`` -> ``FirstToken(seconds, cached_tokens,
+  storage_tokens)`` (streamed: the time to first token), ``.loads()`` (``GET /v1/loads``),
+  ``.metrics()`` (``GET /metrics``),
   ``.log()`` (the tail of ``<workdir>/<name>.log``), ``.alive``, ``.stop()``.
 
 Load reports: ``.loads()`` polls ``GET /v1/loads`` (per DP rank: queues, token usage, ...).
@@ -59,9 +61,9 @@ A server takes about a minute to start on two busy cores and holds about 2 GiB (
 processes); keep them module-scoped.
 """
 from .model import TinyModel, make_tiny_model, prompt_ids, prompt_text
-from .server import (Generation, KVEventsEndpoints, SGLangServer, ServerOptions, build_page_hash,
-                     start_servers, wait_ready)
+from .server import (FirstToken, Generation, KVEventsEndpoints, SGLangServer, ServerOptions,
+                     build_page_hash, start_servers, wait_ready)
 
-__all__ = ["Generation", "KVEventsEndpoints", "SGLangServer", "ServerOptions", "TinyModel",
-           "build_page_hash", "make_tiny_model", "prompt_ids", "prompt_text", "start_servers",
-           "wait_ready"]
+__all__ = ["FirstToken", "Generation", "KVEventsEndpoints", "SGLangServer", "ServerOptions",
+           "TinyModel", "build_page_hash", "make_tiny_model", "prompt_ids", "prompt_text",
+           "start_servers", "wait_ready"]

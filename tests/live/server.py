@@ -80,6 +80,13 @@ class Generation(NamedTuple):
     meta: dict
 
 
+class FirstToken(NamedTuple):
+    """One streamed request: time to its first token, and its prompt's cache hits."""
+    seconds: float
+    cached_tokens: int
+    storage_tokens: int
+
+
 def check_server_modules() -> None:
     """Raise, naming them, when SGLang's server dependencies are not installed."""
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
@@ -219,6 +226,25 @@ class SGLangServer:
                           details.get("storage", 0), details.get("storage_backend"),
                           [lp[0] for lp in meta["input_token_logprobs"]],
                           [lp[0] for lp in meta["output_token_logprobs"]], meta)
+
+    def first_token(self, input_ids: Sequence[int], timeout_s: float = 600.0) -> "FirstToken":
+        """Stream one greedy token for ``input_ids``: the seconds until the first chunk (the
+        time to first token, seen by the client) and what the prompt took from the caches."""
+        body = {"input_ids": list(input_ids), "stream": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        start = time.perf_counter()
+        first, meta = None, {}
+        with self.http.post(f"{self.url}/generate", json=body, stream=True,
+                            timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - start
+                meta = json.loads(line[len(b"data:"):])["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        return FirstToken(first, meta.get("cached_tokens", 0), details.get("storage", 0))
 
     def loads(self) -> dict:
         """``GET /v1/loads``: the per-DP-rank load report (queues, memory, ...)."""
