@@ -47,10 +47,6 @@ class ServerOptions:
     page_size: int = 16
     mem_layout: str = "page_first_direct"     # or layer_first: what cpu_hicache can move
     prefetch_policy: str = "wait_complete"
-    # SGLang re-asks the L3 about a queued request that missed, every 8 scheduler passes, 8
-    # times (its defaults), in case a backup is still committing: on an idle CPU server that
-    # held each miss ~70 s. Tests wait for their pages to be stored instead.
-    miss_polls: int = 0
     backend_config: Mapping[str, object] = field(
         default_factory=lambda: {"timeout_s": 2.0, "view": "off"})
     max_total_tokens: int = 4096              # device (L1) tokens; the host pool holds 2x
@@ -143,9 +139,7 @@ class SGLangServer:
                 "--hicache-io-backend", "direct", "--hicache-mem-layout", o.mem_layout,
                 "--hicache-storage-backend", "hicache_mc",
                 "--hicache-storage-backend-extra-config", json.dumps(config),
-                "--hicache-storage-prefetch-policy", o.prefetch_policy,
-                "--hicache-storage-prefetch-retry-poll-interval", str(o.miss_polls),
-                "--enable-cache-report"]
+                "--hicache-storage-prefetch-policy", o.prefetch_policy, "--enable-cache-report"]
         if self.kv_events:
             args += ["--kv-events-config", json.dumps({
                 "publisher": "zmq", "endpoint": self.kv_events.publisher, "bind": True,
