@@ -11,13 +11,15 @@ bf16), with a small MLP so a prefill stays within seconds on a CPU. For each pro
 - ``miss``: server a prefills it from scratch (its L3 lookup misses);
 - ``l3``: server b, once the store holds a's pages, loads them from the L3 and prefills only
   the tail past the last whole page;
-- ``l1``: a again, the whole prefix in its own GPU-side (L1) cache: the floor.
+- ``l1``: a again, the whole prefix in its own device-side (L1) cache.
 
 The time is the client's, from the request to the first streamed token; the table gives each
-case's median and fastest run (other work on a shared machine only ever adds time). The servers wait for
-every L3 hit (``wait_complete``) and do not re-ask the L3 after a miss (SGLang's re-polls off;
-see docs/sglang.md). These are CPU figures: a GPU prefills this model in milliseconds, so a GPU
-shows the ratios of its own compute and copy speeds, not these. JSON in
+case's median and fastest run (other work on a shared machine only ever adds time). The
+servers wait for every L3 hit (``wait_complete``) and ask the master, not a residency view
+(the harness's defaults). These are CPU figures, not GPU figures: SGLang's ``torch_native``
+attention pads an extend's queries to the whole sequence, so here a cached prefix saves its
+projections and MLP but not its attention; a GPU skips the prefix whole, and there a miss
+against an L3 hit is its compute against the copy of the pages. JSON in
 ``benchmarks/results/bench_live_ttft.json``.
 """
 from __future__ import annotations
