@@ -1,7 +1,7 @@
 """Two live SGLang servers on CPU (tests/live) with one hicache-mc store as their L3: a prefix
 one server computed reaches the other through the store, byte for byte; the servers keep
 answering when the store dies, and use it again once it is back; hicache-mc's plugin hooks run
-in the scheduler process."""
+in the scheduler process; a router can read their KV events, load reports and metrics."""
 from __future__ import annotations
 
 import threading
