@@ -1,7 +1,7 @@
 """SGLang page stream: hicache-mc's v1 path against SGLang's own ``file`` backend, same pages.
 
     python benchmarks/bench_sglang.py [--layers 32] [--batch 128] [--iters 3] [--layout page_first]
-                                      [--paths direct,controller] [--transports shm,tcp]
+                                      [--paths direct,controller,heads] [--transports shm,tcp]
 
 A real ``MHATokenToKVPoolHost`` shaped like Llama-3-8B at TP1 (32 layers, 8 KV heads, head dim
 128, bf16, page 64: 8 MiB per page, K and V 4 MiB each) holds one batch of random pages. Each
@@ -21,6 +21,10 @@ iteration stores the batch and loads it into other host slots, two ways:
 with each backend attached in turn: ``write_storage`` until the backup ack (backup thread), and a
 prefetch of the same tokens from submission through the hit query (prefetch thread), the page
 transfer (I/O thread) to the final ack (sync thread); the benchmark plays the scheduler.
+
+``heads``: head groups for mixed TP sizes (``tp_lcm_size``): the ``direct`` calls over ``shm``
+on a ``page_head`` pool, the rank storing each page as 1 (its own heads: equal TP sizes), 2 and
+4 head groups, against the client calls the backend made before head groups, in the same run.
 
 Every load is checked byte for byte. Reports GB/s (median over iterations), and the ratio of
 hicache-mc to the file backend. Memory: about 6 x the batch (1 GiB at the default shape): 2 of
@@ -50,7 +54,7 @@ def import_sglang_on_cpu() -> None:
         apply_torchvision_stub()
 
 
-def build_pool(args, pages: int):
+def build_pool(args, pages: int, layout: str = ""):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -59,17 +63,21 @@ def build_pool(args, pages: int):
                            head_dim=args.head_dim, layer_num=args.layers, device="cpu",
                            enable_memory_saver=False, start_layer=0, end_layer=args.layers - 1)
     return MHATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps, args.layout, pin_memory=False,
-        device="cpu", device_capacity_tokens=dev.size, start_layer=0, end_layer=args.layers - 1,
-        host_token_capacity=pages * ps)
+        dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps, layout or args.layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=0,
+        end_layer=args.layers - 1, host_token_capacity=pages * ps)
 
 
-def storage_config(extra: dict, model_name: str = "bench/llama-3-8b", page_first: bool = False):
+def storage_config(extra: dict, model_name: str = "bench/llama-3-8b", page_first: bool = False,
+                   tp_lcm_size: int = 1):
+    """One TP-1 rank's config; ``tp_lcm_size`` > 1 splits its pages into that many head
+    groups (SGLang sets ``should_split_heads`` for page_head)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=page_first,
-        model_name=model_name, extra_config=extra)
+        model_name=model_name, extra_config=extra, tp_lcm_size=tp_lcm_size,
+        should_split_heads=tp_lcm_size > 1)
 
 
 def same_pages(pool, a, b) -> bool:
@@ -331,8 +339,8 @@ def main():
     page_bytes = 2 * args.layers * args.heads * args.head_dim * 2 * args.page_size
     batch_bytes = page_bytes * args.batch
     print(f"{args.layers} layers x {args.heads} heads x {args.head_dim} dim, bf16, page {args.page_size}, "
-          f"{args.layout}: {page_bytes / 2**20:.1f} MiB/page, {args.batch} pages = "
-          f"{batch_bytes / 2**30:.2f} GiB per call, {args.iters} iterations")
+          f"{args.layout} (heads: page_head): {page_bytes / 2**20:.1f} MiB/page, {args.batch} "
+          f"pages = {batch_bytes / 2**30:.2f} GiB per call, {args.iters} iterations")
 
     base = args.file_dir or os.path.join(os.path.expanduser("~"), ".cache")
     os.makedirs(base, exist_ok=True)
@@ -340,8 +348,9 @@ def main():
     paths = args.paths.split(",")
     results, rows = {}, []
     # Two batches: after clear() the slots just read stay quarantined for one lease (2 s) before
-    # reuse, so the next iteration writes into the other half.
-    dram = f"{int(batch_bytes * 2 / 2**20) + 256}MiB"
+    # reuse, so the next iteration writes into the other half; the heads path clears after each
+    # of its four cases, which may follow each other within that time.
+    dram = f"{int(batch_bytes * (4 if 'heads' in paths else 2) / 2**20) + 256}MiB"
     try:
         with store_process(dram) as master:
             if "direct" in paths:
@@ -350,16 +359,27 @@ def main():
             if "controller" in paths:
                 results["controller"] = controller_phase(args, master, file_dir, tokens)
                 rows += rows_for(results["controller"], batch_bytes, "controller")
+            if "heads" in paths:
+                results["heads"] = heads_phase(args, master, keys)
+                rows += head_rows(results["heads"], batch_bytes)
     finally:
         shutil.rmtree(file_dir, ignore_errors=True)
 
     print(table(rows, [("path", ""), ("backend", ""), ("put_gbps", ".2f"), ("get_gbps", ".2f"),
                        ("cold_get_gbps", ".2f"), ("put_x_file", ".2f"), ("get_x_file", ".2f"),
-                       ("get_x_file_cold", ".2f")]))
+                       ("get_x_file_cold", ".2f"), ("put_x_calls", ".3f"),
+                       ("get_x_calls", ".3f"), ("put_cpu_x_calls", ".3f"),
+                       ("get_cpu_x_calls", ".3f")]))
     print("direct: backend calls as the controller makes them; controller: SGLang's "
           "HybridCacheController threads, submission to last ack.\nput = backup, get = prefetch; "
-          "get_x_file: file pages in the page cache; get_x_file_cold: after fadvise(DONTNEED)")
-    path = write_json("bench_sglang.json", {"args": vars(args), "page_bytes": page_bytes,
+          "get_x_file: file pages in the page cache; get_x_file_cold: after fadvise(DONTNEED)\n"
+          "heads: page_head pool, one rank's pages in N head groups; x_calls: against the "
+          "client calls the backend made before head groups (cpu: by this process's CPU time "
+          "instead of wall time: higher is less CPU)")
+    # the published figures (docs/sglang.md) come from the default paths: others go elsewhere
+    name = "bench_sglang.json" if {"direct", "controller"} <= set(paths) else \
+        f"bench_sglang_{'_'.join(paths)}.json"
+    path = write_json(name, {"args": vars(args), "page_bytes": page_bytes,
                                             "batch_bytes": batch_bytes, "rows": rows,
                                             "seconds": results})
     print("wrote", path)
@@ -376,6 +396,77 @@ def direct_phase(args, master, file_dir, keys) -> dict:
                                                               transport, args.iters)
     results["file"] = run_file(pool, src, dst, keys, args.iters, file_dir)
     return results
+
+
+def heads_phase(args, master, keys) -> dict:
+    """The store calls of one rank's pages as the backend made them before head groups (one
+    namespace, ``k`` and ``v`` per page, straight from the client), then the backend storing
+    them as 1, 2 and 4 head groups (``tp_lcm_size`` 1, 2, 4 at TP 1), over shm. Each case has
+    its client set up beforehand; the cases take turns per iteration, each first in turn, so
+    that drift on a shared machine hits them alike."""
+    import torch
+    from hicache_mc.client import StoreClient
+    from hicache_mc.keys import batch_page_keys
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    pool = build_pool(args, 2 * args.batch, layout="page_head")
+    src, dst = pool.alloc(args.batch * args.page_size), pool.alloc(args.batch * args.page_size)
+    pool.kv_buffer.view(-1).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(3))
+    # configured as the backend configures its own (view on, following the namespace)
+    client = StoreClient(master, transport="shm", timeout_s=120, view="on")
+    client.follow("bench-client-calls")
+    raw_keys = batch_page_keys("bench-client-calls", keys, ("k", "v"))
+    cases = {"client calls (keys before head groups)": (
+        lambda: client.clear(prefix="bench-client-calls/"),
+        lambda: all(client.batch_put_from(raw_keys, *pool.get_page_buffer_meta(src))),
+        lambda: all(client.batch_get_into(raw_keys, *pool.get_page_buffer_meta(dst))))}
+    backends = []
+    for groups in (1, 2, 4):
+        b = StorageBackendFactory.create_backend("dynamic", storage_config({
+            "backend_name": "hicache_mc", "module_path": "hicache_mc.sglang",
+            "class_name": "HiCacheMC", "interface_v1": 1, "master": master, "transport": "shm",
+            "timeout_s": 120}, tp_lcm_size=groups), pool)
+        b.register_mem_pool_host(pool)
+        backends.append(b)
+        cases[f"hicache-mc (shm), {groups} head group(s)"] = (
+            b.clear, lambda b=b: all(b.batch_set_v1(keys, src)),
+            lambda b=b: all(b.batch_get_v1(keys, dst)))
+    results = {name: {"put_s": [], "get_s": [], "put_cpu_s": [], "get_cpu_s": []}
+               for name in cases}
+    names = list(cases)
+    for it in range(args.iters):
+        for name in names[it % len(names):] + names[:it % len(names)]:
+            clear, put, get = cases[name]
+            r = results[name]
+            clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            assert put(), f"{name}: pages not stored"
+            r["put_s"].append(time.perf_counter() - t0)
+            r["put_cpu_s"].append(time.process_time() - c0)
+            poison(pool, dst)
+            t0, c0 = time.perf_counter(), time.process_time()
+            ok = get()
+            r["get_s"].append(time.perf_counter() - t0)
+            r["get_cpu_s"].append(time.process_time() - c0)
+            assert ok and same_pages(pool, src, dst), f"{name}: wrong pages read back"
+            clear()
+    for b in backends:
+        b.close()
+    client.close()
+    return results
+
+
+def head_rows(results: dict, batch_bytes: int) -> list[dict]:
+    """GB/s by wall time, and by the CPU time of this process (the client's copies, hashing,
+    keys and messages; not the node's) against the client calls': extra copies or objects show
+    there even on a machine whose other load makes wall times swing."""
+    gbps = {name: {k[:-2]: batch_bytes / median(v) / 1e9 for k, v in r.items()}
+            for name, r in results.items()}
+    one = next(iter(gbps.values()))
+    return [{"path": "heads", "backend": name, "put_gbps": g["put"], "get_gbps": g["get"],
+             "put_x_calls": g["put"] / one["put"], "get_x_calls": g["get"] / one["get"],
+             "put_cpu_x_calls": g["put_cpu"] / one["put_cpu"],
+             "get_cpu_x_calls": g["get_cpu"] / one["get_cpu"]}
+            for name, g in gbps.items()]
 
 
 if __name__ == "__main__":

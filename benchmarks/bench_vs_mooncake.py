@@ -13,14 +13,18 @@ them into other buffers (checked), then the keys are removed; the systems take t
 iteration, in a fresh order each time, so drift and the background work one system leaves
 after a call hit the others alike; one warm-up iteration is not counted. Source and destination
 buffers are the same for every system and registered with both (Mooncake's zero-copy API needs
-it; hicache-mc's TE path uses it). Then ``batch_is_exist`` against ``batch_exists`` of 128
-stored keys (hicache-mc also with its residency view, ``view=on``: answered in the client once
-the view is in sync). ``--exists-only`` runs only that. Prints a table (GB/s, objects/s, p50/p99 per batch, hicache-mc / Mooncake ratios)
+it; hicache-mc's TE path uses it). Then a stored chain of ``--exists-pages`` SGLang pages
+(SHA-256 page hashes, ``--exists-parts`` objects a page: ``k,v`` for MHA, ``kv`` for MLA) is
+probed: ``batch_is_exist`` of its keys against ``batch_exists`` of them (hicache-mc also with its
+residency view, ``view=on``: answered in the client once the view is in sync), and
+``batch_exists_pages`` of its page hashes through the view (what the SGLang backend calls: no
+keys built). ``--exists-only`` runs only that. Prints a table (GB/s, objects/s, p50/p99 per batch, hicache-mc / Mooncake ratios)
 and writes ``results/bench_vs_mooncake.json`` and ``.png``.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import socket
@@ -141,10 +145,24 @@ class HicacheSide:
         return sum(self.client.batch_get_into(keys, ptrs, sizes))
 
     def remove(self, keys) -> None:
-        self.client.clear(keys[0].rsplit("/", 1)[0] + "/")
+        prefix = os.path.commonprefix(keys)
+        self.client.clear(prefix[:prefix.rfind("/") + 1])
 
     def exists(self, keys) -> int:
         return self.client.batch_exists(keys)
+
+
+class HicachePagesSide(HicacheSide):
+    """The SGLang backend's probe: a chain of page hashes, answered by the residency view."""
+
+    def __init__(self, master: str, parts: tuple[str, ...]):
+        super().__init__(master, "shm", view="on")
+        self.name += " (page hashes)"
+        self.parts = parts
+
+    def exists(self, keys) -> int:
+        ns, hashes = self.chain
+        return self.client.batch_exists_pages(ns, hashes, self.parts) * len(self.parts)
 
 
 def run_case(sides, size: int, batch: int, iters: int, src, dst) -> list[dict]:
@@ -193,13 +211,18 @@ def shuffled(sides: list, turn: int) -> list:
     return order
 
 
-def exists_case(sides, n: int, reps: int) -> list[dict]:
-    """``n`` stored keys per side, probed ``reps`` times, the sides taking turns."""
+def exists_case(sides, pages: int, parts: tuple[str, ...], reps: int) -> list[dict]:
+    """A chain of ``pages`` pages of ``parts`` stored keys per side, probed ``reps`` times, the
+    sides taking turns."""
     buf = np.zeros(4096, dtype=np.uint8)
     keys, lat = {}, {s.name: [] for s in sides}
-    for side in sides:
+    n = pages * len(parts)
+    for i, side in enumerate(sides):
         side.register([buf])
-        keys[side.name] = [f"vs-exists/{side.name.replace(' ', '-')}/{i}" for i in range(n)]
+        ns = f"vs-exists-{i}"
+        hashes = [hashlib.sha256(f"{i}/{p}".encode()).hexdigest() for p in range(pages)]
+        keys[side.name] = [f"{ns}/{h}/{part}" for h in hashes for part in parts]
+        side.chain = (ns, hashes)
         assert side.put(keys[side.name], [buf.ctypes.data] * n, [4096] * n) == n
     for side in sides:      # a view answers once in sync with the keys' namespace
         view = getattr(getattr(side, "client", None), "view", None)
@@ -221,7 +244,7 @@ def exists_case(sides, n: int, reps: int) -> list[dict]:
     for side in sides:
         side.remove(keys[side.name])
         t = lat[side.name]
-        out.append({"system": side.name, "keys": n, "p50_ms": median(t) * 1e3,
+        out.append({"system": side.name, "pages": pages, "keys": n, "p50_ms": median(t) * 1e3,
                     "p99_ms": pct(t, 99) * 1e3, "calls_per_s": 1 / median(t)})
     for r in out:
         r["speedup_vs_mooncake"] = out[0]["p50_ms"] / r["p50_ms"]
@@ -255,7 +278,7 @@ def chart(rows: list[dict], exists: list[dict], path: str) -> None:
     axes[2].set_xticks(range(len(exists)))
     axes[2].set_xticklabels([e["system"].replace("hicache-mc ", "hmc\n") for e in exists], fontsize=8)
     axes[2].set_ylabel("ms (p50)")
-    axes[2].set_title(f"exists, {exists[0]['keys']} keys")
+    axes[2].set_title(f"exists, {exists[0]['pages']} pages ({exists[0]['keys']} keys)")
     fig.suptitle("hicache-mc vs Mooncake Store, one host, loopback TCP, data crossing processes")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -268,6 +291,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--segment", default="2GiB", help="DRAM of the hicache-mc node and of the Mooncake holder")
     ap.add_argument("--exists-reps", type=int, default=2000)
+    ap.add_argument("--exists-pages", type=int, default=128)
+    ap.add_argument("--exists-parts", default="k,v", help="objects per page: k,v (MHA) or kv (MLA)")
     ap.add_argument("--exists-only", action="store_true", help="only batch_is_exist / batch_exists")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -294,8 +319,9 @@ def main():
             for a in src + dst:
                 mc.unregister_buffer(a.ctypes.data)
             del src, dst
-        sides.append(HicacheSide(master, "shm", view="on"))
-        exists = exists_case(sides, 128, args.exists_reps)
+        parts = tuple(args.exists_parts.split(","))
+        sides += [HicacheSide(master, "shm", view="on"), HicachePagesSide(master, parts)]
+        exists = exists_case(sides, args.exists_pages, parts, args.exists_reps)
         for side in sides[1:]:
             side.client.close()
     cols = [("object", ""), ("batch", "d"), ("system", ""), ("put_gbps", ".2f"), ("put_x_mooncake", ".2f"),
@@ -305,7 +331,7 @@ def main():
         print(f"{args.iters} iterations after one warm-up, medians; ratios = hicache-mc / Mooncake Store")
         print(table(rows, cols))
         print()
-    print(table(exists, [("system", ""), ("keys", "d"), ("p50_ms", ".3f"), ("p99_ms", ".3f"),
+    print(table(exists, [("system", ""), ("pages", "d"), ("keys", "d"), ("p50_ms", ".3f"), ("p99_ms", ".3f"),
                          ("calls_per_s", ".0f"), ("speedup_vs_mooncake", ".2f")]))
     name = "bench_vs_mooncake_exists" if args.exists_only else "bench_vs_mooncake"
     png = os.path.join(RESULTS, name + ".png")

@@ -25,7 +25,7 @@ def free_port() -> int:
 def store_process(dram: str = "2GiB", extra_env: dict | None = None):
     """``hicache-mc serve`` in its own process, so bytes really cross processes."""
     port = free_port()
-    env = dict(os.environ, HICACHE_MC_PREFAULT="1", HICACHE_MC_MASTER_METRICS_PORT="0",
+    env = dict(os.environ, HICACHE_MC_PREFAULT="1", HICACHE_MC_MASTER_METRICS_PORT="0", HICACHE_MC_PUBLISH_PORT="0",
                **(extra_env or {}))     # metrics: any free port (the last store may hold 9370)
     p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
                           "--dram", dram], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -99,10 +99,11 @@ def run_store():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "serve", "--port", str(port),
-                             "--dram", "4GiB" if GPU else "256MiB"])
+                             "--dram", "4GiB" if GPU else "256MiB",
+                             "--metrics-port", "0", "--publish-port", "0"])
     master = f"tcp://127.0.0.1:{port}"
     if subprocess.call([sys.executable, "-m", "hicache_mc.cli", "wait", "--master", master,
-                        "--timeout", "300"]) == 0:
+                        "--timeout", "300", "--pid", str(proc.pid)]) == 0:
         return proc, master
     proc.kill()
     raise SystemExit("the store did not start")

@@ -16,8 +16,9 @@ SERVER_PORT=${SERVER_PORT:-30000}
 hicache-mc serve --port "$STORE_PORT" --dram "$STORE_DRAM" &
 STORE_PID=$!
 trap 'kill $STORE_PID 2>/dev/null || true' EXIT
-# Until its node has registered and a probe put went through (prefaulting 16 GiB takes a while).
-hicache-mc wait --master "127.0.0.1:${STORE_PORT}" --timeout 300
+# Until its node has registered and a probe put went through (prefaulting 16 GiB takes a while);
+# at once if the store exits (a port another process holds: it says which).
+hicache-mc wait --master "127.0.0.1:${STORE_PORT}" --timeout 300 --pid "$STORE_PID"
 
 # 2. The backend's settings: SGLang passes this JSON to HiCacheMC as storage_config.extra_config.
 #    backend_name/module_path/class_name: how the `dynamic` backend finds the class.

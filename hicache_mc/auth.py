@@ -192,20 +192,41 @@ class Guard:
         self._known: OrderedDict[bytes, tuple[Optional[str], Principal]] = OrderedDict()
         # CURVE key (Z85) -> the principal a connection proved with it on this server's ROUTER
         self._keys: OrderedDict[str, Principal] = OrderedDict()
+        self._caps: dict[str, object] = {}     # ZAP domain -> its sockets' Connections
+        self._root: set[bytes] = set()          # the nodes' and admins' keys: never capped
         if token:
-            # ZAP only makes ZeroMQ tell us each peer's key (User-Id): a peer that completed
-            # the handshake knows the servers' public key, and principal() checks its claim
+            # ZAP makes ZeroMQ tell us each peer's key (User-Id): a peer that completed the
+            # handshake knows the servers' public key, and principal() checks its claim; and
+            # it asks callback() whether one more connection may in
+            self._root = {issue(token, role).keys().public for role in ("node", "admin")}
             self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("hicache_mc.zap"))
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self)
 
-    def secure(self, sock: zmq.Socket, max_msg: int) -> zmq.Socket:
+    def secure(self, sock: zmq.Socket, max_msg: int, domain: str = "*") -> zmq.Socket:
+        """Set up a bound socket (before ``bind``); its connections count against the cap of
+        ZAP ``domain`` (see ``cap``)."""
         _common(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         if self.token:
             sock.curve_server = True
             sock.curve_secretkey = key_pair(self.token, "server").secret
+            if domain != "*":
+                sock.zap_domain = domain.encode()
+                self._auth.configure_curve_callback(domain=domain, credentials_provider=self)
         return sock
+
+    def cap(self, domain: str, connections) -> None:
+        """Refuse handshakes on the sockets of ``domain`` while ``connections.admit()`` says no
+        (connections.py), but for the nodes' and admins' keys."""
+        self._caps[domain] = connections
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP (its thread): may a peer proving ``key`` (Z85) open one more connection?"""
+        if key in self._root:
+            return True
+        conns = self._caps.get(domain)
+        return conns is None or conns.admit()
 
     def principal(self, ident: bytes, frame: zmq.Frame) -> Optional[Principal]:
         """Who sent ``frame`` on the connection ``ident``: the principal its routing id claims,
@@ -231,6 +252,11 @@ class Guard:
         if len(self._keys) > KNOWN_MAX:
             self._keys.popitem(last=False)
         return p
+
+    def known(self, ident: bytes) -> Optional[Principal]:
+        """The principal the connection ``ident`` proved (None: none yet, or forgotten)."""
+        known = self._known.get(ident)
+        return None if known is None else known[1]
 
     def verified(self, user: Optional[str]) -> Optional[Principal]:
         """The principal that the CURVE key ``user`` proved in a request on this server's ROUTER

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -24,7 +25,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _master_config(args) -> MasterConfig:
     return load_config(MasterConfig, file=args.config, section="master", host=args.host,
-                       port=args.port, token=token_arg(args), metrics_port=args.metrics_port)
+                       port=args.port, token=token_arg(args), metrics_port=args.metrics_port,
+                       publish_port=args.publish_port)
 
 
 def _node_config(args, master: Optional[str] = None) -> NodeConfig:
@@ -174,17 +176,30 @@ def cmd_demo(args) -> int:
     return run_demo(dram=args.dram or "2GiB", requests=args.requests, pages=args.pages)
 
 
+class NoSecretArgument(argparse.Action):
+    """``--token``: refused without echoing its value (argv is visible to every user of the
+    host; the error would print it again)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("a secret is never an argument (every user of this host sees the command "
+                     "line): give --token-file FILE, or HICACHE_MC_TOKEN")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
+    # no abbreviations: "--token X" must never be read as "--token-file X" (nor any prefix as
+    # another option)
+    strict = functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    p = strict(prog="hicache-mc", description="L3 KV-cache store for SGLang HiCache")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("--version", action="version", version=f"hicache-mc {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=strict)
 
     def common(sp, master=False):
         sp.add_argument("--config", help="TOML or JSON config file ([master], [node], [client] sections)")
         sp.add_argument("--token-file", metavar="FILE",
                         help="a file holding the cluster token or a credential (else HICACHE_MC_TOKEN "
                              "or the config file's token)")
+        sp.add_argument("--token", action=NoSecretArgument, help=argparse.SUPPRESS)
         if master:
             sp.add_argument("--master", help="the master, tcp://HOST:PORT or HOST:PORT (default: "
                             "HICACHE_MC_MASTER, else the config file, else tcp://127.0.0.1:7370)")
@@ -196,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-port", type=int, help="node data-plane port (default: any free)")
     s.add_argument("--metrics-port", type=int, help="the master's /metrics, /health and /ready port "
                    "(default 9370; 0: any free port; -1: off)")
+    s.add_argument("--publish-port", type=int, help="the master's residency publisher, which "
+                   "clients' views and the KV-event bridge subscribe to (default 7373; 0: any free "
+                   "port; -1: off)")
     node_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -205,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int)
     s.add_argument("--metrics-port", type=int, help="/metrics, /health and /ready port "
                    "(default 9370; 0: any free port; -1: off)")
+    s.add_argument("--publish-port", type=int, help="residency publisher port (default 7373; "
+                   "0: any free port; -1: off)")
     s.set_defaults(fn=cmd_master)
 
     s = sub.add_parser("node", help="run a storage node")
@@ -239,6 +259,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:     # `hicache-mc stats | head`: the reader is done, and so are we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit flush)
+        return 141                                                        # 128 + SIGPIPE
     except Exception as exc:
         if not in_use(exc):
             raise
@@ -252,8 +275,8 @@ def in_use(exc: BaseException) -> Optional[str]:
     if getattr(exc, "errno", None) != errno.EADDRINUSE:
         return None
     return (f"cannot listen: {exc}; another process (another hicache-mc?) holds that port: stop "
-            "it or choose another (--port, --node-port, --data-port, --metrics-port, "
-            "--node-metrics-port)")
+            "it or choose another (--port, --publish-port, --node-port, --data-port, "
+            "--metrics-port, --node-metrics-port)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ from .errors import ConfigError
 ENV_PREFIX = "HICACHE_MC_"
 DEFAULT_MASTER = "tcp://127.0.0.1:7370"
 SECTIONS = ("master", "node", "client", "conductor")   # a config file's tables: one per role
+# A setting two roles have with different meanings (each its own port): only its role's
+# variable sets it, so HICACHE_MC_PORT (the master's port) never moves a node's port too
+ROLE_ENV = {"env": "role"}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -60,13 +63,22 @@ class MasterConfig:
     # shared secret of the cluster ("" = none; "@FILE" reads it): the CURVE keys of every ZeroMQ
     # port and the stream ports' handshake derive from it (hicache_mc/auth.py)
     token: str = field(default="", repr=False)    # never in a log line or a traceback
-    metrics_port: int = 9370           # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
+    # Prometheus /metrics, /health, /ready (0 = any free port, -1 = off)
+    metrics_port: int = field(default=9370, metadata=ROLE_ENV)
     metrics_host: str = "127.0.0.1"
     tenant_quotas: str = ""            # "teamA=100GiB,teamB=20GiB": bytes per tenant, cluster-wide
-    # residency updates for clients' views (master/publisher.py); clients learn the port from
-    # the master: 0 = any free port (set one where a firewall must know it), -1 = off
-    publish_port: int = 0
+    # "teamA=2M,*=1M": keys a tenant may have in the master's index ("*": each tenant not
+    # named; "" = no limit); each costs the master ~160 B (docs/operations.md section 9)
+    tenant_keys: str = ""
+    # residency updates for clients' views and the KV-event bridge (master/publisher.py), on
+    # the master's host: a fixed port that firewalls open beside `port`; clients learn it from
+    # the master. 0 = any free port (tests, several masters on one host), -1 = off
+    publish_port: int = 7373
     publish_beat_s: float = 0.5        # each subscribed namespace gets a beat this often
+    expect_nodes: int = 0              # /ready says "degraded" with fewer live nodes (0: any)
+    # connections kept on the master's port and on its publisher's, each (with a token: past
+    # it, clients are refused at their handshake; nodes and admins never are)
+    max_connections: int = 4096
 
     def __post_init__(self):
         _check_server_token(self.token)
@@ -76,10 +88,18 @@ class MasterConfig:
         _check_positive(self.publish_beat_s, "publish_beat_s")
         _check_positive(self.heartbeat_interval_s, "heartbeat_interval_s")
         _check_positive(self.liveness, "liveness")
+        if self.expect_nodes < 0:
+            raise ConfigError(f"expect_nodes: must be >= 0, got {self.expect_nodes}")
+        _check_positive(self.max_connections, "max_connections")
         parse_quotas(self.tenant_quotas)
+        parse_quotas(self.tenant_keys, "tenant_keys", "keys")
 
     def quotas(self) -> dict[str, int]:
         return parse_quotas(self.tenant_quotas)
+
+    def key_limits(self) -> dict[str, int]:
+        """tenant -> keys it may have in the index ("*": any tenant not named)."""
+        return parse_quotas(self.tenant_keys, "tenant_keys", "keys")
 
 
 @dataclass(frozen=True)
@@ -90,7 +110,7 @@ class NodeConfig:
     # the address clients dial, published to the master ("" = host; for a wildcard host, the
     # address of this host's route to the master)
     advertise_host: str = ""
-    port: int = 0                      # 0 = any free port (reported to the master)
+    port: int = field(default=0, metadata=ROLE_ENV)     # 0 = any free port (reported to the master)
     data_port: int = 0                 # stream port of the tcp transport (0 = any free port)
     node_id: str = ""                  # "" = derived, kept across restarts (node/naming.py)
     dram: int = size_field("4GiB")     # DRAM tier capacity (one shared-memory file)
@@ -107,7 +127,7 @@ class NodeConfig:
     prefault: bool = True
     data_dir: str = field(default_factory=default_data_dir)
     token: str = field(default="", repr=False)
-    metrics_port: int = 0                      # /metrics etc. (0 = any free port, in stats; -1 = off)
+    metrics_port: int = field(default=0, metadata=ROLE_ENV)  # /metrics etc. (0 = any free port, in stats; -1 = off)
     metrics_host: str = "127.0.0.1"
     # SSD tier: enabled when ssd > 0. Its folder is locked by one node at a time.
     ssd: int = size_field("0")                 # SSD tier capacity (0 = no SSD tier)
@@ -177,9 +197,15 @@ class ClientConfig:
     # up to date by the master's publisher: on | off | auto (on in the SGLang backend, off in a
     # plain StoreClient)
     view: str = "auto"
+    # copies of the hot keys of a put (its Chain says how many, from the first: a shared
+    # prompt, a chain's first pages) and, with replicate_reads, of every key this client reads
+    # (made from the bytes it read): a node's loss then costs no hit on them (1 = one copy)
+    replicas: int = 1
+    replicate_reads: bool = False
 
     def __post_init__(self):
         from .auth import credential
+        from .limits import MAX_REPLICAS
         object.__setattr__(self, "master", master_address(self.master))
         try:
             credential(self.token)
@@ -196,13 +222,15 @@ class ClientConfig:
         _check_positive(self.circuit_failures, "circuit_failures")
         if self.circuit_open_s < 0:
             raise ConfigError(f"circuit_open_s: must be >= 0, got {self.circuit_open_s}")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(f"replicas: expected 1..{MAX_REPLICAS}, got {self.replicas}")
 
 
 @dataclass(frozen=True)
 class ConductorServerConfig:
     """``hicache-mc conductor``: the HTTP router in front of SGLang workers (conductor/)."""
     host: str = "127.0.0.1"            # bind address of the HTTP port
-    port: int = 30000                  # SGLang's router's default port
+    port: int = field(default=30000, metadata=ROLE_ENV)   # SGLang's router's default port
     # workers, comma-separated (more at runtime through the admin API): plain ones, PD prefill
     # ones as "URL" or "URL BOOTSTRAP_PORT", PD decode ones
     worker_urls: str = ""
@@ -267,17 +295,18 @@ def _check_server_token(token: str) -> None:
                           "credential is for clients and administrators")
 
 
-def parse_quotas(text: str) -> dict[str, int]:
-    """``"teamA=100GiB,teamB=20GiB"`` -> {"teamA": ..., "teamB": ...}; ConfigError names the entry."""
+def parse_quotas(text: str, name: str = "tenant_quotas", what: str = "size") -> dict[str, int]:
+    """``"teamA=100GiB,teamB=20GiB"`` -> {"teamA": ..., "teamB": ...} (``2M`` counts keys as
+    well as bytes); ConfigError names the entry."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         tenant, sep, size = item.partition("=")
         if not sep or not tenant.strip():
-            raise ConfigError(f"tenant_quotas: expected tenant=size, got {item!r}")
-        out[tenant.strip()] = parse_size(size.strip(), f"tenant_quotas[{tenant.strip()}]")
+            raise ConfigError(f"{name}: expected tenant={what}, got {item!r}")
+        out[tenant.strip()] = parse_size(size.strip(), f"{name}[{tenant.strip()}]")
     from .limits import MAX_TENANTS
     if len(out) > MAX_TENANTS:      # what a node's heartbeat reply can carry
-        raise ConfigError(f"tenant_quotas: at most {MAX_TENANTS} tenants, got {len(out)}")
+        raise ConfigError(f"{name}: at most {MAX_TENANTS} tenants, got {len(out)}")
     return out
 
 
@@ -311,10 +340,11 @@ def load_config(cls: type[T], file: Optional[str] = None, env: Optional[Mapping[
     if file:
         values.update(_read_file(file, section, fields))
     env = os.environ if env is None else env
-    for name in fields:
-        # HICACHE_MC_NODE_PORT targets one role; HICACHE_MC_PORT every role that has a port
+    for name, f in fields.items():
+        # HICACHE_MC_NODE_DRAM targets one role; HICACHE_MC_DRAM every role that has the
+        # setting, except the ports (ROLE_ENV)
         raw = env.get(f"{ENV_PREFIX}{section.upper()}_{name.upper()}") if section else None
-        if raw is None:
+        if raw is None and not (section and f.metadata.get("env") == "role"):
             raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw

@@ -32,7 +32,8 @@ class EmbeddedStore:
     """Master + one node on loopback, in this process (threads), on a free port."""
 
     def __init__(self, dram: str):
-        self.master = MasterService(load_config(MasterConfig, env={}, port=0, metrics_port=-1))
+        self.master = MasterService(load_config(MasterConfig, env={}, port=0, metrics_port=-1,
+                                                       publish_port=0))
         self.node = StorageNode(load_config(NodeConfig, env={}, master=self.master.address, dram=dram,
                                             metrics_port=-1,
                                             data_dir=tempfile.mkdtemp(prefix="hicache-mc-demo-")))

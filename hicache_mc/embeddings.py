@@ -31,7 +31,8 @@ import torch
 
 from .client import StoreClient
 from .errors import HicacheError
-from .keys import embedding_namespace
+from .auth import tenant_for
+from .keys import embedding_namespace, tenant_of, with_tenant
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +128,37 @@ class EmbeddingCache:
                  model: Optional[str] = None, encoder_version: str = "",
                  dtype: Optional[DType] = None, tenant: str = "",
                  client: Optional[StoreClient] = None, **options):
+        if client is not None and (master is not None or options):
+            raise ValueError("give either client= or master=/client options, not both")
+        self._owns_client = client is None
+        self.client = client if client is not None else StoreClient(master, **options)
+        try:
+            self.namespace = self._namespace(namespace, model, encoder_version, dtype, tenant)
+        except ValueError:
+            self.close()
+            raise
+
+    def _namespace(self, namespace, model, encoder_version, dtype, tenant) -> str:
+        """The cache's namespace: ``namespace`` (prefixed with ``emb-``) or one derived from the
+        model; in the tenant of the client's credential when it is a client's (the store takes
+        a client's keys of its own tenant only), else ``tenant``."""
+        tenant = tenant_for(self.client.config.token, tenant)
         if namespace is None:
             if not model:
                 raise ValueError("EmbeddingCache needs namespace=, or model= (with "
                                  "encoder_version=, dtype=, tenant=) to derive one")
             dt = dtype_name(dtype) if dtype is not None else None
-            namespace = embedding_namespace(model, encoder_version, dt, tenant)
+            return embedding_namespace(model, encoder_version, dt, tenant)
         if not isinstance(namespace, str) or not namespace or "/" in namespace:
             raise ValueError(f"namespace {namespace!r}: a name without '/' (or let "
                              f"hicache_mc.keys.embedding_namespace derive one from model=)")
         if not namespace.startswith("emb-"):    # never a KV namespace (those are hex)
             namespace = "emb-" + namespace
-        if client is not None and (master is not None or options):
-            raise ValueError("give either client= or master=/client options, not both")
-        self.namespace = namespace
-        self._owns_client = client is None
-        self.client = client if client is not None else StoreClient(master, **options)
+        if tenant and tenant_of(namespace + "/") != tenant:
+            if tenant_of(namespace + "/"):
+                raise ValueError(f"namespace {namespace!r} is not in tenant {tenant!r}")
+            namespace = with_tenant(namespace, tenant)
+        return namespace
 
     # ------------------------------------------------------------------ keys
 

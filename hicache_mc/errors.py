@@ -33,4 +33,14 @@ class RemoteError(HicacheError):
 
 
 class StoreUnavailable(HicacheError):
-    """A server did not answer within the deadline (or the client's circuit is open)."""
+    """A server did not answer within the deadline (or the client's circuit is open); ``down``
+    (a ``link.Down``), where known, says why its connection is down."""
+
+    def __init__(self, message: str, down=None):
+        super().__init__(message)
+        self.down = down
+
+
+class Misconfigured(StoreUnavailable):
+    """A server refused this process's connection for a reason no retry mends (a token missing
+    on one side, or one of another cluster); ``down`` (a ``link.Down``) names it."""

@@ -40,6 +40,7 @@ MAX_FIELDS = 128         # entries in a node record or in stats (a node sends ~3
 # Tenants in a node's stats and in a heartbeat's quotas (a node reporting more must sum the
 # rest under one entry): MAX_FIELDS x MAX_TENANTS = MAX_KEYS nested entries at most.
 MAX_TENANTS = 1024
+MAX_REPLICAS = 8         # copies of one object a writer may ask for
 
 Key = Annotated[str, Meta(max_length=MAX_KEY_BYTES)]
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
@@ -51,6 +52,10 @@ Ints = Annotated[list[int], Meta(max_length=MAX_KEYS)]             # sizes, offs
 Bools = Annotated[list[bool], Meta(max_length=MAX_KEYS)]
 Checksums = Annotated[list[U64], Meta(max_length=MAX_KEYS)]
 NodeIds = Annotated[list[Name], Meta(max_length=MAX_NODES)]
+Replicas = Annotated[int, Meta(ge=1, le=MAX_REPLICAS)]
+# per key, the nodes to write further copies to (a PlaceReply)
+Copies = Annotated[list[Annotated[list[Name], Meta(max_length=MAX_REPLICAS)]],
+                   Meta(max_length=MAX_KEYS)]
 # read-your-writes fence: node id -> (segment id, the node's commit sequence number)
 Fence = Annotated[dict[Name, tuple[Name, U64]], Meta(max_length=MAX_NODES)]
 NodeRecord = Annotated[dict[Name, Union[Name, int, bool]], Meta(max_length=MAX_FIELDS)]

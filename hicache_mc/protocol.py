@@ -28,10 +28,10 @@ from .errors import ProtocolError, RemoteError
 from .frame_errors import peek, split
 from .limits import (  # noqa: F401  (the limits are part of the protocol)
     MAX_KEYS, MAX_KEY_BYTES, MAX_HEADER_BYTES, MAX_NAME, MAX_TEXT, MAX_NODES, MAX_FIELDS,
-    MAX_TENANTS, Key, Name, Text, U64, Keys, Ints, Bools, Checksums, NodeIds, Fence,
-    NodeRecord, NodeRecords, TenantBytes, NodeStats)
+    MAX_TENANTS, MAX_REPLICAS, Key, Name, Text, U64, Keys, Ints, Bools, Checksums, NodeIds, Fence,
+    NodeRecord, NodeRecords, TenantBytes, NodeStats, Replicas, Copies)
 
-VERSION = 10  # bump whenever a message's fields or meaning change
+VERSION = 11  # bump whenever a message's fields or meaning change
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -58,9 +58,15 @@ class OkReply(Message):
 # see the keys once the master has the node's message, sent before the node answers the writer.
 
 
+# Lookups that answer locations (Exists, Locate) name the reader's host (``near``: a key with
+# copies is answered with the copy on that host first) and the nodes it cannot reach now
+# (``avoid``: its circuit for them is open), whose copies it is not sent to.
+
 class ExistsRequest(Message):
     keys: Keys
     after: Fence = {}
+    near: Name = ""
+    avoid: NodeIds = []
 
 
 class Locations:
@@ -99,6 +105,8 @@ class ContainsReply(Message):
 class LocateRequest(Message):
     keys: Keys
     after: Fence = {}
+    near: Name = ""
+    avoid: NodeIds = []
 
 
 class LocateReply(Message, Locations):
@@ -113,12 +121,23 @@ class PlaceRequest(Message):
     keys: Keys
     sizes: Ints
     host: Name               # the writer's host, for placement on its own host first
+    # The keys are consecutive pages of one prefix chain, as SGLang writes them: the master
+    # keeps a chain on one node, so a node's loss cuts only its own chains. ``parent``: the
+    # key before keys[0] in the chain ("" = its first, or not known): the keys follow it,
+    # unless other chains have branched off it (then they start a chain of their own).
+    parent: Key = ""
+    hot: U64 = 0             # the first ``hot`` keys want ``replicas`` copies, the rest one
+    replicas: Replicas = 1
+    avoid: NodeIds = []      # nodes the writer cannot reach now (its circuit is open)
 
 
 class PlaceReply(Message):
     # node id per key; None = already stored (nothing to write); "" = no live node
     targets: Annotated[list[Optional[Name]], Meta(max_length=MAX_KEYS)]
     nodes: NodeRecords
+    # per key (or []: none anywhere), further nodes to write a copy of it to; a key already
+    # stored (target None) may still want copies
+    copies: Copies = []
 
 
 class StatsRequest(Message):
@@ -188,6 +207,7 @@ class EvictedRequest(Message):
     # numbered in the same sequence as CommittedRequest: the master applies a node's reports
     # in that order only, so an eviction never undoes a later commit of the same key
     seq: U64 = 0
+    cleared: bool = False    # removed by a ClearRequest, not evicted (counted apart)
 
 
 # ---------------------------------------------------------------- node data plane

@@ -6,7 +6,7 @@ A second topic per namespace, ``<namespace>#``, carries the keys themselves (``K
 an event bridge (sglang/kv_events.py): the master builds it only while someone follows it. Each
 namespace numbers its updates 1, 2, 3, ... within one master epoch; a beat repeats the last
 number, so a subscriber that missed an update learns it within a beat. The digests are the
-keys' xxh3-128 digests (16 bytes each, end to end), as the master's index holds them.
+keys' 16-byte digests (keydigest.py), end to end, as the master's index holds them.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 
 import msgspec
 from msgspec import Meta
-from xxhash import xxh3_128_digest
 
+from .keydigest import digests  # noqa: F401  (the wire's digests: residency.digests)
 from .limits import MAX_HEADER_BYTES, MAX_KEY_BYTES, MAX_KEYS, Fence, Name, U64
 
 DIGEST = 16
@@ -89,7 +89,3 @@ def namespace_of_topic(data: bytes) -> Optional[tuple[str, bool]]:
     except UnicodeDecodeError:
         return None
 
-
-def digests(keys: list[str]) -> bytes:
-    """The keys' digests end to end, as the master's index holds them."""
-    return b"".join(map(xxh3_128_digest, map(str.encode, keys)))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,6 +22,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def lasting_port(low: int = 10000, high: int = 21999) -> int:
+    """A port free now, for a server that binds it only minutes later (a live SGLang server):
+    never one the kernel hands out, since ``free_port``'s may meanwhile become the local end of
+    any connection on the machine, and below 22000 (SGLang picks its own from 22000 up)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        high = min(high, int(f.read().split()[0]) - 1)
+    for port in random.sample(range(low, high + 1), 64):
+        if port in _lasting:            # handed out already, maybe not bound yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _lasting.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
+_lasting: set[int] = set()
 
 
 def _stopped(stat_path: str) -> bool:
@@ -103,7 +126,8 @@ class Cluster:
         self.master = f"tcp://127.0.0.1:{self.port}"
         # the master's metrics on any free port, not 9370: clusters of several tests may overlap
         self.env = {"HICACHE_MC_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
-                    "HICACHE_MC_LIVENESS": str(liveness), "HICACHE_MC_MASTER_METRICS_PORT": "0"}
+                    "HICACHE_MC_LIVENESS": str(liveness), "HICACHE_MC_MASTER_METRICS_PORT": "0",
+                    "HICACHE_MC_PUBLISH_PORT": "0"}
         if token:
             self.env["HICACHE_MC_TOKEN"] = token
         self.token = token

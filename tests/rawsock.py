@@ -29,3 +29,52 @@ def closed_within(s: socket.socket, seconds: float) -> bool:
         except ConnectionResetError:
             return True
     return False
+
+
+class Forwarder:
+    """A TCP forwarder from ``listen`` (host, port) to ``target``, for one port only: what a
+    firewall or a port-forward that passes the master port and nothing else looks like to a
+    client. ``close()`` stops it and its connections."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int]):
+        import selectors
+        import threading
+        self.target = target
+        self.server = socket.create_server(listen)
+        self.server.setblocking(False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.server, selectors.EVENT_READ, None)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(0.05):
+                if key.data is None:
+                    conn, _ = self.server.accept()
+                    try:
+                        peer = socket.create_connection(self.target)
+                    except OSError:         # nothing listens there (yet): as a refusal
+                        conn.close()
+                        continue
+                    for a, b in ((conn, peer), (peer, conn)):
+                        self.sel.register(a, 1, b)
+                    continue
+                try:
+                    data = key.fileobj.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if data:
+                    key.data.sendall(data)
+                else:
+                    for s in (key.fileobj, key.data):
+                        self.sel.unregister(s)
+                        s.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()

@@ -64,7 +64,8 @@ def run_block(block: Block, tmp_path) -> None:
     port = free_port() if starts_store else int(store.master.rsplit(":", 1)[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
     env.update(HICACHE_MC_MASTER=f"tcp://127.0.0.1:{port}", HICACHE_MC_MASTER_PORT=str(port),
-               HICACHE_MC_MASTER_METRICS_PORT="0",  # not 9370: another test's store may hold it
+               # not 9370 and 7373: another test's store may hold them
+               HICACHE_MC_MASTER_METRICS_PORT="0", HICACHE_MC_PUBLISH_PORT="0",
                HICACHE_MC_PREFAULT="0",            # a segment of --dram, allocated as it is used
                HICACHE_MC_DATA_DIR=str(tmp_path / "data"),
                PATH=shims(tmp_path) + os.pathsep + env["PATH"],

@@ -143,3 +143,16 @@ def test_conductor_settings_are_checked(tmp_path):
     (tmp_path / "empty").write_text("")
     with pytest.raises(ConfigError, match="admin_key: .* is empty"):
         load_config(ConductorServerConfig, env={}, admin_key=f"@{tmp_path / 'empty'}")
+
+
+def test_the_masters_port_variable_never_moves_a_nodes_port():
+    """HICACHE_MC_PORT is the master's port; a node (serve's too) takes HICACHE_MC_NODE_PORT only,
+    and each role's metrics port its own variable only (both would bind one port in serve)."""
+    env = {"HICACHE_MC_PORT": "7411", "HICACHE_MC_METRICS_PORT": "9999"}
+    assert load_config(MasterConfig, env=env, section="master").port == 7411
+    assert load_config(NodeConfig, env=env, section="node").port == 0
+    assert load_config(MasterConfig, env=env, section="master").metrics_port == 9370
+    assert load_config(NodeConfig, env=env, section="node").metrics_port == 0
+    assert load_config(NodeConfig, env={"HICACHE_MC_NODE_METRICS_PORT": "9371"},
+                       section="node").metrics_port == 9371
+    assert load_config(ConductorServerConfig, env=env, section="conductor").port == 30000

@@ -192,11 +192,35 @@ def _names(text: str) -> set[str]:
     return names
 
 
-def test_the_dashboard_uses_metrics_a_master_and_a_node_serve(cluster, tmp_path):
+def alert_rules() -> list[dict]:
+    """The rules of deploy/alerts.yml, each checked for the fields Prometheus needs."""
+    doc = load_yaml("alerts.yml")[0]
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    for r in rules:
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
+        assert re.fullmatch(r"[A-Z][A-Za-z]+", r["alert"]) and r["expr"].strip(), r
+        assert r["labels"]["severity"] in ("info", "warning", "critical") and r["annotations"]["summary"]
+        assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
+    return rules
+
+
+def test_alert_rules_cover_the_failures_and_prometheus_loads_them():
+    names = {r["alert"] for r in alert_rules()}
+    for want in ("NodeDown", "TierDegraded", "QuotaNearlyFull", "ViewsOutOfSync"):
+        assert f"HicacheMc{want}" in names
+    prometheus = load_yaml("prometheus.yml")[0]
+    mounts = dict(v.rsplit(":", 1)[0].split(":") for v in compose()["services"]["prometheus"]["volumes"])
+    assert mounts["./alerts.yml"] in prometheus["rule_files"]
+
+
+def test_the_dashboard_and_alert_rules_use_metrics_a_master_and_a_node_serve(cluster, tmp_path):
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "hicache-mc.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bhicache_mc_\w+", e)}
     assert len(used) >= 20
+    alerting = {m for r in alert_rules() for m in re.findall(r"\bhicache_mc_\w+", r["expr"])}
+    assert len(alerting) >= 6
+    used |= alerting
     master_port, node_port = free_port(), free_port()
     cluster.start_master(args=("--metrics-port", str(master_port)))
     cluster.add_node(args=("--node-metrics-port", str(node_port), "--ssd", "64MiB",
@@ -213,3 +237,63 @@ def test_the_dashboard_uses_metrics_a_master_and_a_node_serve(cluster, tmp_path)
         assert time.monotonic() < end, "no metrics from the master and the node"
         time.sleep(0.2)
     assert sorted(used - served) == []
+
+
+PUBLISH_PORT = MasterConfig().publish_port
+
+
+def test_the_publish_port_is_fixed_and_open_in_every_deploy_file():
+    assert PUBLISH_PORT > 0
+    master_argv = compose_commands()["master"][0]
+    assert int(flag(master_argv, "--publish-port")) == PUBLISH_PORT
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in load_yaml("kubernetes.yaml")}
+    master = docs["Deployment", "hicache-mc-master"]["spec"]["template"]["spec"]["containers"][0]
+    assert int(flag(master["args"], "--publish-port")) == PUBLISH_PORT
+    assert PUBLISH_PORT in {p["containerPort"] for p in master["ports"]}
+    assert PUBLISH_PORT in {p["targetPort"] for p in docs["Service", "hicache-mc-master"]["spec"]["ports"]}
+    unit = (DEPLOY / "systemd" / "hicache-mc-master.service").read_text().replace("\\\n", " ")
+    assert f"--publish-port {PUBLISH_PORT}" in unit
+    expose = re.search(r"^EXPOSE (.*)$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1)
+    assert str(PUBLISH_PORT) in expose.split()
+    firewall = (DEPLOY.parent / "docs" / "operations.md").read_text().split("## 5. Ports")[1]
+    assert f"TCP {PUBLISH_PORT} to the master" in firewall.split("## 6.")[0]
+
+
+def _mounts(container: dict, volumes: list[dict]) -> dict:
+    """mount path -> the volume's source (a host path, or a volume name)."""
+    by_name = {v["name"]: v.get("hostPath", {}).get("path", v["name"]) for v in volumes}
+    return {m["mountPath"]: by_name[m["name"]] for m in container.get("volumeMounts", [])}
+
+
+def test_the_kubernetes_sglang_pods_share_the_nodes_segment_folder_and_user():
+    node_pod = next(d for d in load_yaml("kubernetes.yaml") if d["kind"] == "DaemonSet")
+    sglang_pod = load_yaml("kubernetes-sglang.yaml")[0]
+    node_spec, sglang_spec = node_pod["spec"]["template"]["spec"], sglang_pod["spec"]["template"]["spec"]
+    node = node_spec["containers"][0]
+    shm_dir = {e["name"]: e.get("value") for e in node["env"]}["HICACHE_MC_SHM_DIR"]
+    host_dir = _mounts(node, node_spec["volumes"])[shm_dir]
+    assert host_dir.startswith("/dev/shm/")                 # the host's tmpfs
+    sglang = sglang_spec["containers"][0]
+    assert _mounts(sglang, sglang_spec["volumes"])[shm_dir] == host_dir   # the same path
+    assert sglang_spec["securityContext"]["runAsUser"] == node_spec["securityContext"]["runAsUser"]
+    argv = sglang["command"]
+    assert flag(argv, "--hicache-storage-backend") == "hicache_mc"
+    extra = json.loads(flag(argv, "--hicache-storage-backend-extra-config"))
+    assert extra["master"].startswith("tcp://hicache-mc-master.hicache-mc:")
+    assert extra["token"].startswith("@")
+
+
+def test_the_compose_sglang_service_shares_node1s_segment_volume_and_user():
+    doc, base = load_yaml("compose.sglang.yaml")[0], compose()
+    node, sglang = doc["services"]["node1"], doc["services"]["sglang"]
+    shm_dir = node["environment"]["HICACHE_MC_SHM_DIR"]
+    volume = next(v.split(":")[0] for v in node["volumes"] if v.endswith(":" + shm_dir))
+    assert f"{volume}:{shm_dir}" in sglang["volumes"]
+    assert doc["volumes"][volume]["driver_opts"]["type"] == "tmpfs"
+    image_user = re.search(r"useradd .*--uid (\d+)", (DEPLOY / "Dockerfile").read_text()).group(1)
+    assert sglang["user"].split(":")[0] == image_user       # node1 runs as the image's user
+    assert "uid=" + image_user in doc["volumes"][volume]["driver_opts"]["o"]
+    argv = sglang["command"]
+    extra = json.loads(flag(argv, "--hicache-storage-backend-extra-config"))
+    assert extra["master"] == flag(base["services"]["node1"]["command"], "--master")
+    assert sglang["networks"]["store"]["ipv4_address"].startswith("172.28.0.")

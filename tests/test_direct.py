@@ -135,7 +135,7 @@ def test_pages_cross_between_direct_and_sglang_backend(store, client, kind, layo
                                                        tokens=4 * PS)
     backend = pools.make_backend(host, store.master, mla=mla)
     ns = kv_namespace("test/llama", torch.bfloat16, layout, PS, layers, is_mla=mla)
-    assert backend.namespace == ns.digest()
+    assert backend.spaces == (ns.digest(),)
 
     dev = _pool(1 if mla else 2, layers, heads, dim, torch.bfloat16, 4, seed=5)
     direct = KVDirect(client, dev, ns)

@@ -24,6 +24,10 @@ NOT_RUN = {
     "launch_server --help": "needs hicache-mc installed as a package beside SGLang "
                             "(tests/sglang/test_install.py runs SGLang's parser)",
     "Qwen/Qwen2.5-VL": "SGLang's server: a GPU and a model",
+    "--tp-size 4 --hicache-mem-layout page_head": "SGLang's servers at two TP sizes: GPUs and a "
+                                                  "model (tests/sglang/test_heads.py)",
+    "--disaggregation-mode decode": "SGLang's prefill and decode servers: GPUs and a model "
+                                    "(tests/sglang/test_pd.py runs their managers)",
     "hicache_mc.sglang.kv_events": "a bridge that runs until stopped, for a master on another "
                                    "host (tests/sglang/test_kv_events.py runs it)",
     "test_live_server.py": "tests of the suite itself (live SGLang servers, minutes)",

@@ -239,3 +239,25 @@ def test_import_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "hicache_mc.embeddings", out.stderr
     assert hicache_mc.EmbeddingCache is EmbeddingCache
+
+
+def test_a_client_credential_puts_the_cache_in_its_tenant(tmp_path):
+    from hicache_mc.auth import issue
+    from procs import Cluster
+    token = "emb-token-" + "3c" * 16
+    c = Cluster(tmp_path, token=token)
+    c.start_serve("32MiB")
+    cred = issue(token, "client", "teamA").text()
+    t = embedding((4, 8), torch.float16, seed=3)
+    try:
+        with EmbeddingCache(c.master, model="org/vlm", dtype=torch.float16, token=cred) as derived, \
+                EmbeddingCache(c.master, namespace="mine", token=cred) as named:
+            assert derived.namespace.endswith("@teamA") and named.namespace == "emb-mine@teamA"
+            for cache in (derived, named):
+                assert cache.put("img", t) and same_bytes(cache.get("img"), t)
+        with pytest.raises(ValueError, match="teamA"):
+            EmbeddingCache(c.master, model="org/vlm", tenant="teamB", token=cred)
+        with pytest.raises(ValueError, match="not in tenant 'teamA'"):
+            EmbeddingCache(c.master, namespace="x@teamB", token=cred)
+    finally:
+        c.stop()

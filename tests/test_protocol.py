@@ -21,6 +21,9 @@ EVERY_MESSAGE = [
     P.SnapshotRequest("ns@t"), P.SnapshotReply("ep", 3, b"\x01" * 32, {"n1": ("ab12", 7)}, 7371, 0.5),
     P.LocateRequest(KEYS), P.LocateReply(["n1"], [0, -1], [5, 0], {"n1": REC}),
     P.PlaceRequest(KEYS, [10, 20], "host"), P.PlaceReply([None, "n1", ""], {"n1": REC}),
+    P.PlaceRequest(KEYS, [10, 20], "host", KEYS[0], 1, 2, ["n2"]),
+    P.PlaceReply([None, "n1"], {"n1": REC, "n2": REC}, [["n2"], []]),
+    P.LocateRequest(KEYS, {}, "host", ["n2"]),
     P.StatsRequest(), P.StatsReply({"epoch": "e", "nodes": [{**REC, "age_s": 0.5}], "keys": 3,
                                     "tenants": {"t": {"used": 1, "quota": None}}}),
     P.RegisterRequest(REC), P.RegisterReply("e"),
@@ -58,7 +61,7 @@ def test_every_message_round_trips():
 def test_one_frame_of_plain_msgpack_without_token_or_pickle():
     data = P.encode(P.ExistsRequest(["k"]), 5)
     assert isinstance(data, bytes)
-    assert msgpack.unpackb(data) == [P.VERSION, 5, ["ExistsRequest", ["k"], {}]]
+    assert msgpack.unpackb(data) == [P.VERSION, 5, ["ExistsRequest", ["k"], {}, "", []]]
     imported = {n.name for node in ast.walk(ast.parse(inspect.getsource(P)))
                 if isinstance(node, (ast.Import, ast.ImportFrom)) for n in node.names}
     assert not imported & {"pickle", "marshal", "dill", "cloudpickle"}
@@ -102,8 +105,8 @@ def test_version_type_and_shape_errors():
     refused(frame(P.VERSION, 7, ["NoSuchRequest"]), "unknown_type", "NoSuchRequest", req_id=7)
     refused(frame(P.VERSION, 7, [3, 1]), "bad_request", "message type", req_id=7)
     refused(frame(P.VERSION, 8, ["ExistsRequest"]), match=r"ExistsRequest: expected fields "
-            r"\(keys, after\), got 0", req_id=8)
-    refused(frame(P.VERSION, 8, ["ExistsRequest", [], {}, []]), match="got 3 values", req_id=8)
+            r"\(keys, after, near, avoid\), got 0", req_id=8)
+    refused(frame(P.VERSION, 8, ["ExistsRequest", [], {}, "", [], []]), match="got 5 values", req_id=8)
     refused(frame(P.VERSION, 9), match="length 3", req_id=9)
     refused(frame(P.VERSION, 9, ["OkReply"], 1), match="length 3", req_id=9)
     refused(frame("8", 9, ["OkReply"]), match="version: expected int", req_id=9)
@@ -125,6 +128,9 @@ def test_field_type_errors_name_the_field():
         (["ExistsRequest", [], [["n", "seg", 1]]], r"ExistsRequest\.after: expected object"),
         (["PlaceRequest", ["k"], [1], 5], r"PlaceRequest\.host: expected str, got int"),
         (["PlaceRequest", ["k"], [1.5], "h"], r"PlaceRequest\.sizes\[0\]: expected int"),
+        (["PlaceRequest", ["k"], [1], "h", "", 1, 9], r"PlaceRequest\.replicas: .*<= 8"),
+        (["PlaceRequest", ["k"], [1], "h", "", 1, 0], r"PlaceRequest\.replicas: .*>= 1"),
+        (["PlaceRequest", ["k"], [1], "h", "p" * 1025], r"PlaceRequest\.parent: .*<= 1024"),
         (["CommittedRequest", "n", ["k"], [1], ["x"]], r"CommittedRequest\.checksums\[0\]"),
         (["CommittedRequest", "n", ["k"], [1], [1], True], r"CommittedRequest\.seq: expected int"),
         (["HeartbeatRequest", "n", {"used": [1]}], r"HeartbeatRequest\.stats\[\.\.\.\]"),

@@ -41,8 +41,11 @@ class BaseL3(ABC):
         ...
 
     @abstractmethod
-    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Store each object from ``ptrs[i]``; True once readable by every instance."""
+    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                 parent: str = "", hot: int = 0) -> list[bool]:
+        """Store each object from ``ptrs[i]``; True once readable by every instance. ``parent``:
+        the key before ``keys[0]`` in its chain; ``hot``: how many keys, from the first, want
+        copies (stores that know neither ignore them)."""
         ...
 
     def close(self) -> None:
@@ -61,7 +64,7 @@ class NullL3(BaseL3):
     def get_into(self, keys, ptrs, sizes):
         return [False] * len(keys)
 
-    def put_from(self, keys, ptrs, sizes):
+    def put_from(self, keys, ptrs, sizes, parent="", hot=0):
         return [False] * len(keys)
 
 
@@ -69,9 +72,10 @@ class HicacheL3(BaseL3):
     name = "hicache-mc"
 
     def __init__(self, master: str, transport: str = "auto", timeout_s: float = 30.0,
-                 view: str = "off"):
+                 view: str = "off", replicas: int = 1, replicate_reads: bool = False):
         from hicache_mc.client import StoreClient
-        self.client = StoreClient(master, transport=transport, timeout_s=timeout_s, view=view)
+        self.client = StoreClient(master, transport=transport, timeout_s=timeout_s, view=view,
+                                  replicas=replicas, replicate_reads=replicate_reads)
 
     def exists(self, keys):
         return self.client.batch_exists(keys)
@@ -79,8 +83,9 @@ class HicacheL3(BaseL3):
     def get_into(self, keys, ptrs, sizes):
         return self.client.batch_get_into(keys, ptrs, sizes)
 
-    def put_from(self, keys, ptrs, sizes):
-        return self.client.batch_put_from(keys, ptrs, sizes)
+    def put_from(self, keys, ptrs, sizes, parent="", hot=0):
+        from hicache_mc.client import Chain
+        return self.client.batch_put_from(keys, ptrs, sizes, Chain(parent, hot))
 
     def close(self):
         self.client.close()
@@ -121,7 +126,7 @@ class MooncakeL3(BaseL3):
         got = self.store.batch_get_into(list(keys), list(ptrs), list(sizes))  # bytes or < 0
         return [g == s for g, s in zip(got, sizes)]
 
-    def put_from(self, keys, ptrs, sizes):
+    def put_from(self, keys, ptrs, sizes, parent="", hot=0):
         return [rc == 0 for rc in self.store.batch_put_from(list(keys), list(ptrs), list(sizes))]
 
     def close(self):
@@ -133,7 +138,9 @@ def open_l3(spec: dict) -> BaseL3:
     if kind == "none":
         return NullL3()
     if kind == "hicache-mc":
-        return HicacheL3(spec["master"], spec.get("transport", "auto"), view=spec.get("view", "off"))
+        return HicacheL3(spec["master"], spec.get("transport", "auto"), view=spec.get("view", "off"),
+                         replicas=spec.get("replicas", 1),
+                         replicate_reads=spec.get("replicate_reads", False))
     if kind == "mooncake":
         return MooncakeL3(spec["master"])
     raise ValueError(f"unknown L3 kind {kind!r} (none, hicache-mc, mooncake)")

@@ -15,7 +15,7 @@ import multiprocessing as mp
 import queue
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .instance import InstanceConfig, Outcome, run_instance
 from .trace import Request
@@ -29,11 +29,16 @@ class ReplayError(RuntimeError):
 
 
 def replay(reqs: Sequence[Request], spec: dict, instances: int, local_blocks: int,
-           block_bytes: int, speedup: Optional[float] = None) -> list[Outcome]:
-    """Outcomes of every request (in trace order), replayed against the L3 of ``spec``."""
+           block_bytes: int, speedup: Optional[float] = None,
+           before: Optional[Callable[[int], None]] = None, namespace: str = "",
+           **instance) -> list[Outcome]:
+    """Outcomes of every request (in trace order), replayed against the L3 of ``spec``.
+    Ordered replays call ``before(i)`` before handing request i out (a fault injected there
+    meets every later request). Keys are ``<namespace>/<block id>`` (a fresh namespace by
+    default); ``instance``: further ``InstanceConfig`` fields."""
     ctx = mp.get_context("spawn")
     cfg = InstanceConfig(local_blocks, block_bytes, max(len(r.hash_ids) for r in reqs),
-                         f"replay/{uuid.uuid4().hex[:8]}")
+                         namespace or f"replay/{uuid.uuid4().hex[:8]}", **instance)
     inqs = [ctx.Queue() for _ in range(instances)]
     outq = ctx.Queue()
     procs = [ctx.Process(target=run_instance, args=(i, spec, cfg, inqs[i], outq), daemon=True,
@@ -46,6 +51,8 @@ def replay(reqs: Sequence[Request], spec: dict, instances: int, local_blocks: in
             _take(outq, procs, READY_TIMEOUT_S, "ready")
         if speedup is None:
             for r in reqs:
+                if before is not None:
+                    before(r.index)
                 inqs[r.index % instances].put((r.index, r.hash_ids))
                 o = _take(outq, procs, REQUEST_TIMEOUT_S, "done")
                 outcomes[o.index] = o

@@ -26,6 +26,16 @@ class InstanceConfig(NamedTuple):
     block_bytes: int
     max_chain: int        # staging slots: the longest chain of the trace
     namespace: str        # key prefix of this replay: ``<namespace>/<block id>``
+    # the chains whose puts ask for copies (``chain_id``s: e.g. the hottest 10 %), and whether
+    # puts name their parent block at all (as SGLang does with its prefix keys)
+    hot_chains: frozenset = frozenset()
+    name_parents: bool = True
+    put_each: bool = False  # one put per block: each placed alone (no chain at all)
+
+
+def chain_id(chain: tuple) -> int:
+    """A request's chain: its second block, the first after the system prompt all share."""
+    return chain[1] if len(chain) > 1 else chain[0]
 
 
 class Outcome(NamedTuple):
@@ -78,7 +88,15 @@ class Instance:
             for i, b in enumerate(todo):
                 pool.fill(i, b)
             t2 = time.perf_counter()
-            done = self.l3.put_from(keys[m:], self.ptrs[:len(todo)], [bb] * len(todo))
+            before = k + m          # the blocks of the chain before the first one put
+            parent = f"{self.cfg.namespace}/{chain[before - 1]}" \
+                if before and self.cfg.name_parents else ""
+            hot = len(todo) if chain_id(chain) in self.cfg.hot_chains else 0
+            if self.cfg.put_each:
+                done = [ok for i in range(len(todo)) for ok in self.l3.put_from(
+                    keys[m + i:m + i + 1], self.ptrs[i:i + 1], [bb], "", 0)]
+            else:
+                done = self.l3.put_from(keys[m:], self.ptrs[:len(todo)], [bb] * len(todo), parent, hot)
             t_put = time.perf_counter() - t2
             put, put_failed = len(todo), len(todo) - sum(done)
         lru.touch(chain)

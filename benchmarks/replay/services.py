@@ -1,6 +1,8 @@
 """The L3 stores of a replay, each started fresh in its own processes on 127.0.0.1.
 
 - hicache-mc: ``hicache-mc serve`` (master + one node: DRAM tier, optional SSD tier).
+- hicache-mc cluster: ``hicache-mc master`` and N ``hicache-mc node`` processes, any of which
+  the replay may kill (``NodeCluster``).
 - Mooncake Store: ``mooncake_master`` plus a holder process that contributes the memory
   segment (``MooncakeDistributedStore.setup`` with ``global_segment_size`` = the capacity),
   as in docs section 3 of the Mooncake reference; instances are pure clients.
@@ -69,7 +71,8 @@ def hicache_store(dram: int, ssd: int = 0, transport: str = "auto", view: str = 
         args += ["--ssd", str(ssd), "--ssd-dir", os.path.join(tmp, "ssd")]
     log = open(os.path.join(tmp, "serve.log"), "ab")
     # data_dir: the node's files stay in the temporary folder, removed afterwards
-    env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp, HICACHE_MC_MASTER_METRICS_PORT="0")
+    env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp, HICACHE_MC_MASTER_METRICS_PORT="0",
+               HICACHE_MC_PUBLISH_PORT="0")
     p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     master = f"tcp://127.0.0.1:{port}"
@@ -174,3 +177,82 @@ def _mooncake_summary(url: str) -> dict:
     if m:
         out["mem_storage"] = m.group(1).strip()
     return out
+
+
+class NodeCluster:
+    """A master and nodes as separate processes on 127.0.0.1; ``kill_holder`` SIGKILLs one."""
+
+    def __init__(self, tmp: str, nodes: int, dram: int, heartbeat_s: float):
+        port = free_port()
+        self.master = f"tcp://127.0.0.1:{port}"
+        self.env = dict(os.environ, HICACHE_MC_DATA_DIR=tmp, HICACHE_MC_MASTER_METRICS_PORT="-1", HICACHE_MC_PUBLISH_PORT="0",
+                        HICACHE_MC_NODE_METRICS_PORT="-1",
+                        HICACHE_MC_HEARTBEAT_INTERVAL_S=str(heartbeat_s))
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        self._start("master", ["master", "--port", str(port)])
+        self.nodes = {}     # address -> process
+        for i in range(nodes):
+            node_port = free_port()
+            self.nodes[f"tcp://127.0.0.1:{node_port}"] = self._start(
+                f"node{i}", ["node", "--master", self.master, "--node-port", str(node_port),
+                             "--dram", str(dram)])
+        wait = subprocess.run([sys.executable, "-m", "hicache_mc.cli", "wait", "--master",
+                               self.master, "--nodes", str(nodes), "--timeout", str(START_TIMEOUT_S)],
+                              env=self.env, capture_output=True, text=True)
+        if wait.returncode:
+            self.stop()
+            raise RuntimeError(f"the cluster did not start: {wait.stderr.strip()}")
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        with open(os.path.join(self.tmp, f"{name}.log"), "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", *args], env=self.env,
+                                 stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def nodes_now(self) -> list[dict]:
+        from hicache_mc import protocol as P
+        return self._ask(P.StatsRequest()).stats["nodes"]
+
+    def _ask(self, msg):
+        import zmq
+        from hicache_mc.rpc import Channel
+        ch = Channel(zmq.Context.instance(), self.master)
+        try:
+            return ch.call(msg, 10.0)
+        finally:
+            ch.close()
+
+    def kill_holder(self, key: str) -> dict:
+        """SIGKILL the node holding ``key``; its id and its share of the bytes held then."""
+        from hicache_mc import protocol as P
+        node_id = self._ask(P.LocateRequest([key])).located()[0][0]
+        nodes = self.nodes_now()
+        node = next(n for n in nodes if n["node_id"] == node_id)
+        self.nodes[node["address"]].kill()
+        used = sum(n.get("used", 0) for n in nodes)
+        return {"node": node_id, "share": node.get("used", 0) / used if used else 0.0,
+                "used": used}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@contextmanager
+def hicache_cluster(nodes: int, dram: int, heartbeat_s: float = 1.0):
+    """``NodeCluster`` of ``nodes`` nodes of ``dram`` bytes each, stopped afterwards."""
+    tmp = tempfile.mkdtemp(prefix="replay-cluster-")
+    c = NodeCluster(tmp, nodes, dram, heartbeat_s)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""The client: StoreClient."""
+"""The client: StoreClient, and the Chain a put's keys belong to."""
 from .client import StoreClient
+from .writes import Chain
 
-__all__ = ["StoreClient"]
+__all__ = ["Chain", "StoreClient"]

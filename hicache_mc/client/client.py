@@ -3,8 +3,10 @@
 Thread-safe: each thread gets its own sockets (ZeroMQ sockets are not thread-safe); the
 transports, the node table and the counters are shared. Every call runs under one deadline.
 Store failures never raise: they are misses (get/exists) or False (put). After
-``circuit_failures`` failures in a row the circuit opens and calls answer misses at once for
-``circuit_open_s``; the next call after that is a probe, and a success closes the circuit.
+``circuit_failures`` failures in a row a circuit opens and calls answer misses at once for
+``circuit_open_s``; the next call after that is a probe, and a success closes the circuit. The
+master has one circuit and each node its own: a dead node costs the objects it holds or was
+to take, never the rest of a call.
 """
 from __future__ import annotations
 
@@ -12,8 +14,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from itertools import repeat
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -21,26 +22,34 @@ import zmq
 from .. import protocol as P
 from ..config import ClientConfig, load_config
 from ..errors import HicacheError, RemoteError
+from ..keys import batch_page_keys
 from ..rpc import Channel
 from ..transport.base import ChecksumCounter, Transport
 from ..transport.te import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
 from .batch import check_batch, check_keys
-from .circuit import Circuit
+from .circuit import Circuit, NodeCircuits
+from .fences import Fences
+from .locations import Locations
 from .view import ResidencyView
+from .writes import Copied, Failed, WritePath
 
 log = logging.getLogger(__name__)
 
-# Locations an Exists returned serve the get that usually follows (SGLang: prefetch probe, then
-# the I/O thread's read), saving one master round trip. Brief, because an object may be evicted
-# or moved meanwhile: then the node answers "missing" and the read is a miss, as it would be.
-LOCATION_TTL_S = 1.0
-LOCATION_CACHE_MAX = 1 << 16
-FENCE_TTL_S = 5.0           # a commit is named in this client's lookups for this long at most
+class Reach(NamedTuple):
+    """What a client finds at its master (``StoreClient.check``)."""
+    nodes: int      # live storage nodes; -1 when the master did not answer
+    why: str        # "" when it answered; else the cause, in one line
 
 
-class StoreClient:
+class OnNode(NamedTuple):
+    """A call's share on one node."""
+    ok: list[bool]      # per object: read (written)
+    failed: bool        # the node failed, or its circuit is open: not a plain miss
+
+
+class StoreClient(WritePath):
     """A client of one hicache-mc cluster. ``StoreClient(master=..., **ClientConfig fields)``."""
 
     def __init__(self, master: Optional[str] = None, *, config: Optional[ClientConfig] = None,
@@ -56,7 +65,7 @@ class StoreClient:
         self._channels_lock = threading.Lock()
         self._nodes: dict[str, P.NodeInfo] = {}
         self._node_records: dict[str, dict] = {}
-        self._where: dict[str, tuple[float, tuple]] = {}  # key -> (expiry, location) from Exists
+        self._where = Locations()       # from Exists, for the get that follows
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
@@ -67,14 +76,15 @@ class StoreClient:
                                     device=cfg.te_device, metadata=cfg.te_metadata,
                                     hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
                                     timeout_s=cfg.timeout_s)
-        # node id -> (until, [segment, seq]): this client's latest commit on each node, named
-        # in its lookups so the master answers them only after applying it (read-your-writes)
-        self._fences: dict[str, tuple[float, list]] = {}
+        self.fences = Fences()          # read-your-writes (client/fences.py)
         for t in (self.tcp, self.shm, self.te):
-            t.committed = self._note_commit
+            t.committed = self.fences.committed
         self._warned: set[str] = set()
-        self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s)
+        self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s,
+                               "the master")
+        self.node_circuits = NodeCircuits(self.config.circuit_failures, self.config.circuit_open_s)
         self.counters = defaultdict(int)
+        self.copied = Copied()      # keys whose copies this client asked for (replicate_reads)
         # "auto" is on where the SGLang backend asks for it (it replaces the setting)
         self.view = ResidencyView(self.ctx, cfg.master, cfg.token, cfg.timeout_s) \
             if cfg.view == "on" else None
@@ -93,25 +103,6 @@ class StoreClient:
             with self._channels_lock:
                 self._channels.append(ch)
         return ch
-
-    def _note_commit(self, node: P.NodeInfo, seq: int) -> None:
-        if seq > 0:
-            mark = [P.segment_of(node), seq]
-            old = self._fences.get(node.node_id)
-            if old is None or old[1][0] != mark[0] or old[1][1] < seq:   # (threads race here)
-                self._fences[node.node_id] = (time.monotonic() + FENCE_TTL_S, mark)
-
-    def _after(self) -> dict:
-        """The fence for a lookup: this client's recent commits, per node."""
-        if not self._fences:
-            return {}
-        now, after = time.monotonic(), {}
-        for node_id, (until, mark) in list(self._fences.items()):
-            if until > now:
-                after[node_id] = mark
-            else:
-                self._fences.pop(node_id, None)
-        return after
 
     def _master(self, msg: P.Message, deadline: float) -> P.Message:
         ch = self._channel(self.config.master)
@@ -210,6 +201,15 @@ class StoreClient:
             return 0
         return self._guard(lambda: self._exists(keys), 0)
 
+    def batch_exists_pages(self, namespace: str, page_hashes: Sequence[str], parts: tuple[str, ...]) -> int:
+        """How many pages, from the first, have all their keys ``<namespace>/<hash>/<part>``
+        stored: the residency view answers from the page hashes, without building the keys."""
+        if self.view is not None and page_hashes and parts and not self._closed and self.circuit.allow():
+            pages = self.view.exists_pages(namespace, page_hashes, parts)
+            if pages is not None:
+                return pages
+        return self.batch_exists(batch_page_keys(namespace, list(page_hashes), parts)) // max(1, len(parts))
+
     def follow(self, namespace: str) -> None:
         """Keep the residency view of ``namespace`` from now on (a lookup in one starts it too)."""
         if self.view is not None:
@@ -220,24 +220,11 @@ class StoreClient:
             count = self.view.exists(keys)
             if count is not None:
                 return count
-        reply = self._master(P.ExistsRequest(keys, self._after()), self._deadline())
+        reply = self._master(P.ExistsRequest(keys, self.fences.after(), self.host,
+                                             self.node_circuits.open_ids()), self._deadline())
         self._learn(reply.nodes)
-        if len(self._where) > LOCATION_CACHE_MAX:
-            self._where.clear()
-        self._where.update(zip(keys, zip(repeat(time.monotonic() + LOCATION_TTL_S), reply.located())))
+        self._where.keep(keys, reply.located())
         return reply.count
-
-    def _cached_locations(self, keys: list[str]) -> Optional[list]:
-        """The entries an Exists just returned for all of ``keys``, or None (then Locate)."""
-        now, where = time.monotonic(), self._where
-        entries = []
-        for key in keys:
-            hit = where.pop(key, None)
-            if hit is None or hit[0] < now:
-                return None
-            entries.append(hit[1])
-        self.counters["locate_saved"] += 1
-        return entries
 
     def batch_contains(self, keys: Sequence[str]) -> list[bool]:
         """Per key: is it stored? (``batch_exists`` answers the leading run only.)"""
@@ -247,10 +234,18 @@ class StoreClient:
         def run():
             found = self.view.contains(keys) if self.view is not None else None
             if found is None:
-                found = list(self._master(P.ContainsRequest(keys, self._after()),
+                found = list(self._master(P.ContainsRequest(keys, self.fences.after()),
                                           self._deadline()).present)
             return found
         return self._guard(run, [False] * len(keys))
+
+    def contains_cached(self, keys: Sequence[str]) -> Optional[list[bool]]:
+        """Per key, from the residency view alone: is it stored? None when the view cannot
+        answer (off, or not in sync); never a round trip, so a caller may ask in passing."""
+        keys = check_keys(keys)
+        if self.view is None or not keys:
+            return None if self.view is None else []
+        return self.view.contains(keys)
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes). False = miss."""
@@ -265,63 +260,76 @@ class StoreClient:
 
     def _get(self, keys, ptrs, sizes) -> list[bool]:
         """Where the keys are (from the Exists just made, else a Locate), then per node a
-        Lease, the copy and a Release (the transport's ``read``)."""
+        Lease, the copy and a Release (the transport's ``read``). Keys on a node that fails
+        meanwhile are located once more, elsewhere: a copy on a live node serves them."""
         if not keys:
             return []
         deadline = self._deadline()
-        entries = self._cached_locations(keys)
-        if entries is None:
-            located = self._master(P.LocateRequest(keys, self._after()), deadline)
-            self._learn(located.nodes)
-            entries = located.located()
+        entries = self._where.take(keys, self.node_circuits.open_ids())
+        if entries is not None:
+            self.counters["locate_saved"] += 1
+        else:
+            entries = self._locate(keys, deadline)
+        result = [False] * len(keys)
+        failed = self._read(entries, list(range(len(keys))), keys, ptrs, sizes, deadline, result)
+        if failed.keys:
+            again = failed.keys
+            entries = self._locate([keys[i] for i in again], deadline, failed.nodes)
+            self._read(entries, again, keys, ptrs, sizes, deadline, result)
+        self.copy_reads([i for i, ok in enumerate(result) if ok], keys, ptrs, sizes, deadline)
+        return result
+
+    def _locate(self, keys: list[str], deadline: float, down: Sequence[str] = ()) -> list:
+        """Where each key is: (node id, size), or None; never on a node this client cannot
+        reach now (an open circuit, or ``down``), and on this host first."""
+        avoid = [*self.node_circuits.open_ids(), *down]
+        located = self._master(P.LocateRequest(keys, self.fences.after(), self.host, avoid), deadline)
+        self._learn(located.nodes)
+        return located.located()
+
+    def _read(self, entries: list, which: list[int], keys, ptrs, sizes, deadline: float,
+              result: list[bool]) -> "Failed":
+        """Read keys ``which`` (``entries``: their locations, in that order) into ``result``;
+        the keys and the nodes of the nodes that failed."""
         by_node: dict[str, list[int]] = defaultdict(list)
-        for i, entry in enumerate(entries):
+        for i, entry in zip(which, entries):
             if entry and entry[1] == sizes[i]:
                 by_node[entry[0]].append(i)
-        result = [False] * len(keys)
+        failed = Failed([], [])
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
-            ok = self.transport_for(node).read(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                               [sizes[i] for i in idx], deadline)
-            for i, good in zip(idx, ok):
+            got = self._on_node(node, len(idx), lambda t: t.read(
+                node, [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx], deadline))
+            for i, good in zip(idx, got.ok):
                 result[i] = good
-        return result
+            if got.failed:
+                failed.keys.extend(idx)
+                failed.nodes.append(node_id)
+        return failed
 
-    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Store each object from ``ptrs[i]``; True once stored (or stored already). A stored
-        object is visible to this client's next lookup at once, to other clients as soon as
-        the master has the node's report of it (sent before the node answers)."""
-        keys, ptrs, sizes = check_batch(keys, ptrs, sizes)
-        n = len(keys)
-        result = self._guard(lambda: self._put(keys, ptrs, sizes), [False] * n)
-        self.counters["put_keys"] += n
-        self.counters["put_ok"] += sum(result)
-        return result
+    def _on_node(self, node: P.NodeInfo, n: int, move) -> "OnNode":
+        """``move(transport)`` for ``n`` objects on one node, under that node's circuit: a node
+        that fails costs its own objects (misses, False), never the rest of the call."""
+        circuit = self.node_circuits.of(node.node_id)
+        if not circuit.allow():
+            self.counters["circuit_rejects"] += 1
+            return OnNode([False] * n, True)
+        try:
+            ok = move(self.transport_for(node))
+        except RemoteError as exc:
+            if exc.code == "forbidden":     # a refusal of the keys, not a failing node
+                raise
+            self._node_failed(circuit, exc)
+            return OnNode([False] * n, True)
+        except (HicacheError, zmq.ZMQError, OSError) as exc:
+            self._node_failed(circuit, exc)
+            return OnNode([False] * n, True)
+        circuit.ok()
+        return OnNode(ok, False)
 
-    def _put(self, keys, ptrs, sizes) -> list[bool]:
-        """The master places the keys (keys stored already are done), then per node a
-        Reserve, the copy and a Commit (the transport's ``write``)."""
-        if not keys:
-            return []
-        deadline = self._deadline()
-        placed = self._master(P.PlaceRequest(keys, sizes, self.host), deadline)
-        self._learn(placed.nodes)
-        result = [t is None for t in placed.targets]      # None: already stored
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i, target in enumerate(placed.targets):
-            if target:
-                by_node[target].append(i)
-        for node_id, idx in by_node.items():
-            node = self._nodes[node_id]
-            sub_sizes = [sizes[i] for i in idx]
-            ok = self.transport_for(node).write(node, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                                sub_sizes, deadline)
-            for i, good in zip(idx, ok):
-                result[i] = good
-            self.counters["bytes_written"] += sum(s for s, g in zip(sub_sizes, ok) if g)
-        if self.view is not None:       # answered as stored by the view (read-your-writes)
-            self.view.own.add([k for k, ok in zip(keys, result) if ok])
-        return result
+    def _node_failed(self, circuit: Circuit, exc: Exception) -> None:
+        self.counters["node_errors"] += 1
+        circuit.fail(exc)
 
     # -------------------------------------------------------------- single-key API
 
@@ -336,7 +344,7 @@ class StoreClient:
     def get(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None on a miss."""
         def locate():
-            entry = self._master(P.LocateRequest([key], self._after()), self._deadline()).located()[0]
+            entry = self._locate([key], self._deadline())[0]
             return entry[1] if entry else -1
         size = self._guard(locate, -1)
         if size < 0:
@@ -365,11 +373,21 @@ class StoreClient:
             return removed
         return self._guard(run, 0)
 
+    def check(self) -> Reach:
+        """Ask the master for its stats once, outside the circuit: how many nodes are live, or
+        why it did not answer (a dead master is not a wrong token: ``link.Down``)."""
+        try:
+            stats = self._master(P.StatsRequest(), self._deadline()).stats
+        except (HicacheError, zmq.ZMQError) as exc:
+            master = self.config.master
+            return Reach(-1, f"the master at {master}: {str(exc).removeprefix(master + ': ')}")
+        return Reach(len(stats.get("nodes", ())), "")
+
     def stats(self) -> dict:
         """Cluster stats from the master plus this client's own counters."""
         cluster = self._guard(lambda: self._master(P.StatsRequest(), self._deadline()).stats, None)
         own = dict(self.counters, checksum_failures=self.checks.failures,
-                   circuit_opens=self.circuit.opens,
+                   circuit_opens=self.circuit.opens + self.node_circuits.opens,
                    **(self.view.counters if self.view is not None else {}),
                    **{f"te_{k}": v for k, v in self.te.counters.items()})
         return {"cluster": cluster, "client": own}

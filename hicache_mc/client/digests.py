@@ -18,6 +18,9 @@ import numpy as np
 
 FOLD_AT = 1 << 15       # delta entries that make the writer build a new base array
 _EMPTY = np.zeros(0, dtype=np.uint64)
+# the base array ends with the largest uint64, so a binary search never runs off its end (a key
+# whose prefix is that value answers "stored": a chance of 2^-64, as any other prefix's)
+_TOP = np.array([np.iinfo(np.uint64).max], dtype=np.uint64)
 
 
 def prefixes(digests: bytes) -> np.ndarray:
@@ -37,11 +40,11 @@ class DigestSet:
 
     def __init__(self, digests: bytes = b""):
         self._state: tuple[np.ndarray, np.ndarray, np.ndarray] = \
-            (np.unique(prefixes(digests)), _EMPTY, _EMPTY)
+            (np.union1d(prefixes(digests), _TOP), _EMPTY, _EMPTY)
 
     def __len__(self) -> int:       # approximate while ``removed`` holds keys the base lacks
         base, added, removed = self._state
-        return len(base) + len(added) - len(removed)
+        return len(base) - 1 + len(added) - len(removed)
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +53,7 @@ class DigestSet:
     def mask(self, q: np.ndarray) -> np.ndarray:
         """Per prefix in ``q``: is it in the set? (a bool array)"""
         base, added, removed = self._state
-        hit = _in(base, q)
+        hit = base[base.searchsorted(q)] == q
         if len(removed):
             hit &= ~_in(removed, q)
         if len(added):
@@ -73,6 +76,6 @@ class DigestSet:
         add_s = np.union1d(np.setdiff1d(add_s, r, assume_unique=True), a)
         rem_s = np.union1d(np.setdiff1d(rem_s, a, assume_unique=True), r)
         if len(add_s) + len(rem_s) >= FOLD_AT:
-            base = np.union1d(np.setdiff1d(base, rem_s, assume_unique=True), add_s)
+            base = np.union1d(np.union1d(np.setdiff1d(base, rem_s, assume_unique=True), add_s), _TOP)
             add_s = rem_s = _EMPTY
         self._state = (base, add_s, rem_s)

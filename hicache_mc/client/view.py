@@ -38,7 +38,9 @@ from .. import protocol as P
 from .. import residency as R
 from ..auth import credential, secure_client
 from ..errors import HicacheError, RemoteError
-from ..rpc import Channel, host_of, monitor
+from ..keydigest import key_prefixes, page_prefixes
+from ..link import Link
+from ..rpc import Channel, host_of
 from .digests import DigestSet, prefixes
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class ResidencyView:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._sub: Optional[zmq.Socket] = None
-        self._monitor: Optional[zmq.Socket] = None  # the SUB's connection events
+        self._link: Optional[Link] = None   # the SUB's connection: why it is down, if it is
         self._port = 0
 
     # -------------------------------------------------------------- callers
@@ -127,16 +129,20 @@ class ResidencyView:
         prefix = first[:i + 1]
         if len(keys) > 1 and not (min(keys).startswith(prefix) and max(keys).startswith(prefix)):
             return None
-        sp = self.spaces.get(first[:i])
+        return self._synced(first[:i])
+
+    def _synced(self, ns: str) -> Optional[Space]:
+        """The space of ``ns`` when it is in sync (one not followed yet is, from now on)."""
+        sp = self.spaces.get(ns)
         if sp is None:
-            self.follow(first[:i])
+            self.follow(ns)
             return None
-        if not sp.synced or time.monotonic() - sp.heard > self.stale_s or sp.ns in self._refresh:
+        if not sp.synced or time.monotonic() - sp.heard > self.stale_s or ns in self._refresh:
             return None
         return sp
 
     def _mask(self, sp: Space, keys: list[str]):
-        q = prefixes(R.digests(keys))
+        q = key_prefixes(keys, sp.ns)
         hit = sp.keys.mask(q)
         return self.own.add_to(hit, q)
 
@@ -163,6 +169,22 @@ class ResidencyView:
         self.counters["view_answers"] += 1
         hit = self._mask(sp, keys)
         return len(keys) if hit.all() else int(hit.argmin())
+
+    def exists_pages(self, ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Optional[int]:
+        """How many pages, from the first, have every key ``<ns>/<hash>/<part>`` stored, from
+        the page hashes without the keys (keydigest.page_prefixes); or None (ask the master)."""
+        sp = self._synced(ns)
+        try:
+            q = None if sp is None else page_prefixes(ns, page_hashes, parts)
+        except TypeError:       # not strings: the caller's keys are checked on the way to the master
+            q = None
+        if q is None:
+            self.counters["view_fallbacks"] += 1
+            return None
+        self.counters["view_answers"] += 1
+        hit = self.own.add_to(sp.keys.mask(q), q)
+        first_miss = int(hit.argmin())      # (0 when every key is stored: then hit[0] holds)
+        return len(page_hashes) if hit[first_miss] else first_miss // len(parts)
 
     def close(self) -> None:
         with self._lock:
@@ -202,7 +224,9 @@ class ResidencyView:
             # no beat: a partition, a stalled publisher or this thread (or a subscription that
             # never took effect); snapshots back off while that goes on
             self.counters["view_stale"] += 1
-            self._resync(sp, "silent for %.1f s", now - sp.heard)
+            problem = self._link.problem if self._link is not None else ""
+            self._resync(sp, "silent for %.1f s%s", now - sp.heard,
+                         f": the publish port: {problem}" if problem else "")
             sp.failures += 1
             sp.retry_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** min(sp.failures, 8))
         if sp.need and now >= sp.retry_at:
@@ -245,8 +269,9 @@ class ResidencyView:
         host = host_of(self.master)
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        self._monitor = monitor(sub, zmq.EVENT_DISCONNECTED)
-        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
+        self._link = Link(sub, credential(self.token) is not None)
+        self._publisher = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        sub.connect(self._publisher)
         for sp in self.spaces.values():
             if sp.keys is not None:
                 sub.setsockopt(zmq.SUBSCRIBE, R.topic(sp.ns))
@@ -254,10 +279,9 @@ class ResidencyView:
 
     def _close_sub(self) -> None:
         if self._sub is not None:
-            self._sub.disable_monitor()
+            self._link.close()
             self._sub.close(0)
-            self._monitor.close(0)
-            self._sub = self._monitor = None
+            self._sub = self._link = None
 
     def _drain(self) -> None:
         if self._sub is None:
@@ -265,12 +289,13 @@ class ResidencyView:
             return
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._link.events, zmq.POLLIN)
         events = dict(poller.poll(50))
-        if self._monitor in events:
-            self._monitor.recv_multipart()      # (only DISCONNECTED is watched)
-            for sp in self.spaces.values():     # ZeroMQ reconnects; the numbers tell the rest
-                self._resync(sp, "publisher connection lost")
+        if self._link.events in events:
+            down = self._link.check(f"the master's publish port {self._publisher} (residency "
+                                    "view: publish_port; lookups ask the master meanwhile)")
+            for sp in self.spaces.values() if down is not None else ():
+                self._resync(sp, "publish port: %s", down.value)   # ZeroMQ reconnects by itself
         if self._sub not in events:
             return
         for _ in range(1000):
@@ -358,6 +383,8 @@ class OwnWrites:
     def add_to(self, hit, q):
         """``hit`` (a bool array over the prefixes ``q``) with this client's writes set."""
         cur, cur_until, old, old_until = self._gens
+        if not cur and not old:     # a client that wrote nothing lately
+            return hit
         now = time.monotonic()
         live = [g for g, until in ((cur, cur_until), (old, old_until)) if g and now < until]
         if live and not hit.all():      # only the view's misses are looked up here

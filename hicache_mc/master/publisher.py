@@ -30,6 +30,7 @@ import zmq
 
 from .. import protocol as P, residency as R
 from ..auth import Guard, Principal
+from ..connections import Connections
 from ..keys import tenant_of
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,11 @@ class Publisher:
     """The XPUB of one master; ``flush(journal, nodes)`` once a loop turn."""
 
     def __init__(self, ctx: zmq.Context, guard: Guard, host: str, port: int, epoch: str,
-                 beat_s: float):
-        self.sock = guard.secure(ctx.socket(zmq.XPUB), MAX_INBOUND)
+                 beat_s: float, max_connections: int = 4096,
+                 size: Callable[[str], int] = lambda ns: 0):
+        self.sock = guard.secure(ctx.socket(zmq.XPUB), MAX_INBOUND, "residency")
+        self.connections = Connections(self.sock, max_connections)
+        guard.cap("residency", self.connections)
         self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         try:
@@ -79,17 +83,26 @@ class Publisher:
                 self.sock.bind(f"tcp://{host}:{port}")
                 self.port = port
         except zmq.ZMQError:
+            self.connections.close()
             self.sock.close(0)
             raise
         self.guard = guard
         self._quiet = 0.0       # no refusal logged before this (monotonic): a flood stays readable
         self.epoch = epoch
         self.beat_s = beat_s
+        self.size = size                        # keys the index holds in a namespace
         self.seq: dict[str, int] = {}           # namespace -> its last update number
+        # The number a namespace without an entry in seq is at. A namespace with no keys and no
+        # subscriber is forgotten (its entry would outlive it: one per namespace ever used), and
+        # its numbers go on above every number ever given out, so a view that took a snapshot
+        # before that sees the next update follow on or leave a gap, never repeat a number.
+        self.floor = 0
+        self._dropped = 0       # namespaces forgotten since seq was last rebuilt
         self.topics: OrderedDict[str, None] = OrderedDict()  # subscribed namespaces (beats)
         # namespaces whose keys someone follows (an event bridge) ...
         self.key_topics: OrderedDict[str, None] = OrderedDict()
         self.key_seq: dict[str, int] = {}
+        self.key_floor = 0      # as floor, for key_seq
         self.key_spaces: set[str] = set()   # ... shared with KeyIndex.key_spaces: it journals them
         self.counters = {"residency_updates": 0, "residency_beats": 0, "residency_dropped": 0,
                          "residency_refused": 0, "residency_subscriptions": 0}
@@ -129,10 +142,14 @@ class Publisher:
             topics[ns] = None
             topics.move_to_end(ns)
             if len(topics) > MAX_TOPICS:
-                topics.popitem(last=False)
+                self._unfollowed(topics.popitem(last=False)[0], keys)
             if keys:
                 self.key_spaces.clear()
                 self.key_spaces.update(self.key_topics)
+
+    def close(self) -> None:
+        self.connections.close()
+        self.sock.close(0)
 
     def snapshot(self, ns: str, index, marks: dict) -> P.Message:
         """A view's start: the namespace's digests and last update number, with the nodes'
@@ -144,7 +161,7 @@ class Publisher:
                                 f"{R.MAX_TOPIC - 1} characters)")
         if index.namespace_size(ns) > MAX_SNAPSHOT_KEYS:
             return P.ErrorReply("too_large", f"namespace holds over {MAX_SNAPSHOT_KEYS} keys")
-        return P.SnapshotReply(self.epoch, self.seq.get(ns, 0), index.digests(ns), marks,
+        return P.SnapshotReply(self.epoch, self.seq.get(ns, self.floor), index.digests(ns), marks,
                                self.port, self.beat_s)
 
     def _send(self, ns: str, update) -> None:
@@ -161,7 +178,7 @@ class Publisher:
         (``key_journal``: namespace -> {key: present}; emptied), and the beats that are due."""
         for ns, changes in (key_journal or {}).items():
             for part in _key_chunks(list(changes.items())):
-                seq = self.key_seq[ns] = self.key_seq.get(ns, 0) + 1
+                seq = self.key_seq[ns] = self.key_seq.get(ns, self.key_floor) + 1
                 self._send(ns, R.KeyUpdate(self.epoch, seq, [k for k, p in part if p],
                                            [k for k, p in part if not p]))
         if key_journal:
@@ -170,7 +187,7 @@ class Publisher:
             items = list(changes.items())
             for i in range(0, len(items), R.CHUNK):
                 part = items[i:i + R.CHUNK]
-                seq = self.seq[ns] = self.seq.get(ns, 0) + 1
+                seq = self.seq[ns] = self.seq.get(ns, self.floor) + 1
                 # the report marks go with the last chunk only: a view that has applied an
                 # earlier one has not yet seen every key of the reports they name
                 last = i + R.CHUNK >= len(items)
@@ -179,15 +196,37 @@ class Publisher:
                                         b"".join(d for d, present in part if not present),
                                         moved if last else {}))
                 self.counters["residency_updates"] += 1
+            self._prune(ns)
         journal.clear()
         if now >= self._next_beat and self.topics:
             self._next_beat = now + self.beat_s
             every = nodes()
             for ns in self.topics:
-                self._send(ns, R.Update(self.epoch, self.seq.get(ns, 0), b"", b"", every, True))
+                self._send(ns, R.Update(self.epoch, self.seq.get(ns, self.floor), b"", b"", every, True))
                 self.counters["residency_beats"] += 1
             for ns in self.key_topics:
-                self._send(ns, R.KeyUpdate(self.epoch, self.key_seq.get(ns, 0), [], [], True))
+                self._send(ns, R.KeyUpdate(self.epoch, self.key_seq.get(ns, self.key_floor), [], [], True))
+
+    def _prune(self, ns: str) -> None:
+        """Forget the numbering of a namespace with no keys that nobody follows (see floor)."""
+        if ns in self.seq and ns not in self.topics and not self.size(ns):
+            self.floor = max(self.floor, self.seq.pop(ns))
+            self._dropped += 1
+            if self._dropped > len(self.seq):   # a dict's table never shrinks: rebuild it
+                self.seq, self._dropped = dict(self.seq), 0
+
+    def _unfollowed(self, ns: str, keys: bool) -> None:
+        """A namespace no longer beaten (MAX_TOPICS newer ones are): forget what it needs no more."""
+        if keys:
+            if ns in self.key_seq:     # (at most MAX_TOPICS are followed at once)
+                self.key_floor = max(self.key_floor, self.key_seq.pop(ns))
+        else:
+            self._prune(ns)
+
+    @property
+    def namespaces(self) -> int:
+        """Namespaces whose numbering the publisher keeps."""
+        return len(self.seq) + len(self.key_seq)
 
 
 def _key_chunks(items: list) -> list:

@@ -1,4 +1,4 @@
-"""Node membership (heartbeat x liveness expiry) and placement."""
+"""Node membership: heartbeat x liveness expiry, and which nodes may take new objects."""
 from __future__ import annotations
 
 import time
@@ -29,17 +29,41 @@ class NodeState:
         return self.info.capacity - used - self.planned
 
 
+# A node whose heartbeat is this many intervals old has missed one: it takes no new objects,
+# though what it holds is still looked up until it expires (interval x liveness). Half an
+# interval of slack: a loaded node's loop runs its heartbeat a little late.
+MISSED_BEAT = 1.5
+LOST_FOR_S = 3600.0     # an expired node is named in stats (LOST) this long
+
+
 class NodeRegistry:
     """Live nodes. A node silent for ``interval * liveness`` seconds is expired."""
 
     def __init__(self, interval_s: float, liveness: int):
         self.expiry_s = interval_s * liveness
+        self.missed_s = interval_s * MISSED_BEAT
         self.nodes: dict[str, NodeState] = {}
+        # node id -> (address, when it expired): nodes that missed their heartbeats and have
+        # not registered again, named in stats for LOST_FOR_S (a node removed on purpose ages out)
+        self._lost: dict[str, tuple[str, float]] = {}
+        self._by_ident: dict[bytes, NodeState] = {}     # the connection each registered on
 
     def upsert(self, info: NodeInfo, slot: int, ident: bytes = b"") -> NodeState:
+        self._lost.pop(info.node_id, None)
+        old = self.nodes.get(info.node_id)
+        if old is not None:
+            self._by_ident.pop(old.ident, None)
         st = NodeState(info, slot, time.monotonic(), ident=ident)
         self.nodes[info.node_id] = st
+        self._by_ident[ident] = st
         return st
+
+    def heard(self, ident: bytes, now: float) -> None:
+        """A message came in on connection ``ident``: the node registered on it is alive, even
+        while the message waits to be handled (liveness is judged by receipt)."""
+        st = self._by_ident.get(ident)
+        if st is not None and st.last_seen < now:
+            st.last_seen = now
 
     def reporter(self, node_id: str, ident: bytes) -> Optional[NodeState]:
         """The node ``node_id`` when ``ident`` is the connection it registered on, else None."""
@@ -58,32 +82,33 @@ class NodeRegistry:
         dead = [st for st in self.nodes.values() if now - st.last_seen > self.expiry_s]
         for st in dead:
             del self.nodes[st.info.node_id]
+            self._lost[st.info.node_id] = (st.info.address, now)
+            self._by_ident.pop(st.ident, None)
         return dead
+
+    def lost_nodes(self, now: float) -> list[dict]:
+        """The nodes that expired in the last LOST_FOR_S and have not registered again."""
+        for node_id in [n for n, (_, at) in self._lost.items() if now - at > LOST_FOR_S]:
+            del self._lost[node_id]
+        return [{"node_id": n, "address": a, "lost_s": round(now - at, 1)}
+                for n, (a, at) in self._lost.items()]
 
     def live_slots(self) -> set[int]:
         return {st.slot for st in self.nodes.values()}
 
-    def place(self, sizes: list[int], host: str) -> list[Optional[str]]:
-        """A node per object: the writer's own host first, then the most free space.
+    def reachable(self, avoid) -> set[int]:
+        """The live slots but those of the nodes ``avoid`` names (a reader's open circuits)."""
+        return {st.slot for st in self.nodes.values() if st.info.node_id not in avoid} \
+            if avoid else self.live_slots()
 
-        Within the candidate set each object goes to the node with the most estimated free
-        space, so one batch spreads over equal nodes. None where no live node exists.
-        """
-        everyone = list(self.nodes.values())
-        local = [st for st in everyone if st.info.host == host]
-        only = local or everyone
-        if len(only) == 1 and only[0].free >= sum(sizes):   # the usual batch: all in one place
-            only[0].planned += sum(sizes)
-            return [only[0].info.node_id] * len(sizes)
-        free = {st.info.node_id: st.free for st in everyone}     # kept current as we place
-        result: list[Optional[str]] = []
-        for size in sizes:
-            pool = local if any(free[st.info.node_id] >= size for st in local) else everyone
-            if not pool:
-                result.append(None)
-                continue
-            best = pool[0] if len(pool) == 1 else max(pool, key=lambda st: free[st.info.node_id])
-            best.planned += size
-            free[best.info.node_id] -= size
-            result.append(best.info.node_id)
-        return result
+    def takers(self, avoid) -> list[NodeState]:
+        """The nodes that may take new objects: live, not in ``avoid``, and not late with a
+        heartbeat (unless every one of them is: a loaded host, not dead nodes)."""
+        now = time.monotonic()
+        usable = [st for st in self.nodes.values() if st.info.node_id not in avoid]
+        return [st for st in usable if now - st.last_seen <= self.missed_s] or usable
+
+    def slots_on(self, host: str) -> frozenset:
+        """The slots of the live nodes on ``host`` (a reader's own: copies there first)."""
+        return frozenset(st.slot for st in self.nodes.values() if st.info.host == host) \
+            if host else frozenset()

@@ -9,22 +9,24 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from functools import partial
+from typing import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from .. import __version__, protocol as P
+from .. import protocol as P
 from ..config import MasterConfig
-from ..metrics import histogram_family
-from ..rpc import Service
+from ..link import PortProbe, local_address
+from ..keys import foreign_key, tenant_of
+from ..server import Service
+from .fences import FENCE_WAIT_S, Fences
 from .index import SIZE_MASK, KeyIndex, NodeSlots
+from . import report, slices
+from .namespaces import NamespaceCounts
 from .publisher import Publisher
+from . import placement
 from .registry import NodeRegistry
 
 log = logging.getLogger(__name__)
 
-MAX_NAMESPACES = 1000   # per-namespace counters kept; the rest are summed under "(other)"
-FENCE_WAIT_S = 1.0      # a lookup waits at most this long for the commits its fence names
-MAX_PARKED = 10000      # lookups waiting on fences; beyond this they are answered at once
 
 
 class MasterService(Service):
@@ -40,46 +42,63 @@ class MasterService(Service):
              "QuotaRequest": ("admin",)}
 
     def __init__(self, config: MasterConfig):
-        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master")
+        super().__init__(f"tcp://{config.host}:{config.port}", config.token, "master",
+                         max_connections=config.max_connections)
         self.config = config
         self.epoch = uuid.uuid4().hex[:12]
         self.slots = NodeSlots()
         self.index = KeyIndex()
         self.registry = NodeRegistry(config.heartbeat_interval_s, config.liveness)
+        self.branches = placement.Branches()    # parents of recent Places: chains that branched there
         self.counters = {"exists_calls": 0, "locate_calls": 0, "place_calls": 0,
-                         "hits": 0, "misses": 0, "placed": 0, "deduplicated": 0,
-                         "committed": 0, "evicted": 0, "nodes_expired": 0, "fence_waits": 0}
+                         "hits": 0, "misses": 0, "placed": 0, "copies_placed": 0, "deduplicated": 0,
+                         "committed": 0, "evicted": 0, "cleared": 0, "nodes_expired": 0,
+                         "fence_waits": 0,
+                         "snapshots": 0, "key_limited": 0}
         self._next_expiry = 0.0
-        self.by_namespace: dict[str, list[int]] = {}   # namespace -> [hits, misses]
+        self.by_namespace = NamespaceCounts()
         self.quotas: dict[str, int] = config.quotas()  # tenant -> bytes across the cluster
-        # lookups whose fence is ahead of the master: (give up at, handler, msg, ident, req_id)
-        self._parked: list[tuple] = []
+        self.key_limits: dict[str, int] = config.key_limits()   # tenant ("*": others) -> keys
+        self.fences = Fences(self.registry)   # lookups whose fence is ahead of the master
         self.publisher = None       # residency updates (master/publisher.py), unless turned off
         self._moved: dict[str, tuple[str, int]] = {}   # node -> [segment, seq] moved this turn
         if config.publish_port >= 0:
             self.publisher = Publisher(self.ctx, self.guard, config.host, config.publish_port,
-                                       self.epoch, config.publish_beat_s)
+                                       self.epoch, config.publish_beat_s, config.max_connections,
+                                       self.index.namespace_size)
             self.index.journal = {}
             self.index.key_spaces = self.publisher.key_spaces    # one set: the publisher fills it
             self.add_socket(self.publisher.sock, self.publisher.on_readable)
+            self.add_socket(self.publisher.connections.monitor, self.publisher.connections.on_readable)
+        self._publish_probe = None if self.publisher is None else PortProbe(
+            local_address(config.host), self.publisher.port)
         self.enable_metrics(config.metrics_host, config.metrics_port)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        super().close()
 
     # -------------------------------------------------------------- timers
 
     def tick(self, now: float) -> None:
-        if self._parked and self._parked[0][0] <= now:
-            late = [p for p in self._parked if p[0] <= now]
-            self._parked = [p for p in self._parked if p[0] > now]
+        if self.publisher is not None:
+            self.publisher.connections.age(now)
+        if self.fences and self.fences.parked[0].until <= now:
+            late = self.fences.late(now)
             log.warning("%d lookups waited %.1fs for commits the master has not seen; answered "
                         "without them", len(late), FENCE_WAIT_S)
-            for _, handler, msg, ident, req_id in late:
-                self._answer(handler, msg, ident, req_id)
+            self._answer(late)
         if now >= self._next_expiry:
             self._expire(now)
         if self.publisher is not None:
             self.publisher.flush(self.index.journal, self._node_marks, self._moved, now,
                                  self.index.key_journal)
             self._moved = {}
+
+    def received(self, ident: bytes, peer, now: float) -> None:
+        # a node's heartbeat read in a turn counts from then, however long the turn's work
+        self.registry.heard(ident, now)
 
     def _node_marks(self) -> dict:
         """Each live node's reports applied: node id -> [segment, seq] (a residency beat)."""
@@ -93,66 +112,59 @@ class MasterService(Service):
             self.counters["nodes_expired"] += 1
             log.warning("node %s missed its heartbeats; dropped it and its %d keys",
                         st.info.node_id, dropped)
-            if self._parked:
-                self._unpark()      # fences on a node that is gone hold no more
+            self._answer(self.fences.ready())     # fences on a node that is gone hold no more
 
     # -------------------------------------------------------------- fences
 
-    def _behind(self, after: dict) -> bool:
-        """Whether a (checked) fence names a commit of a live node (same segment) not applied yet."""
-        for node_id, (segment, seq) in after.items():
-            st = self.registry.nodes.get(node_id)
-            if st is not None and st.segment == segment and st.seq < seq:
-                return True
-        return False
-
-    def _park(self, handler, msg, ident, req_id) -> bool:
-        """Hold a lookup whose fence is ahead (True); it is answered when the commits arrive."""
-        if not msg.after:
+    def _park(self, msg, resume: Callable) -> bool:
+        """Hold the lookup being handled when its fence is ahead (True): once the commits
+        arrive, or after FENCE_WAIT_S, ``resume()`` gives its answer (or the work of it)."""
+        if not self.fences.park(msg, self.task, resume):
             return False
-        if not self._behind(msg.after) or len(self._parked) >= MAX_PARKED:
-            return False
-        self._parked.append((time.monotonic() + FENCE_WAIT_S, handler, msg, ident, req_id))
         self.counters["fence_waits"] += 1
         return True
 
-    def _answer(self, handler, msg, ident, req_id) -> None:
-        try:
-            reply = handler(msg, ident, req_id, fenced=True)
-        except Exception as exc:
-            log.exception("master: a parked lookup failed")
-            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
-        self.reply(ident, req_id, reply)
-
-    def _unpark(self) -> None:
-        """Answer the parked lookups whose fences the commits just applied satisfy."""
-        ready = [p for p in self._parked if not self._behind(p[2].after)]
-        if ready:
-            self._parked = [p for p in self._parked if self._behind(p[2].after)]
-            for _, handler, msg, ident, req_id in ready:
-                self._answer(handler, msg, ident, req_id)
+    def _answer(self, parked) -> None:
+        """Lookups let go go back to the backlog, to be answered as things stand now."""
+        for p in parked:
+            self.resume(p.task, p.resume())
 
     # -------------------------------------------------------------- clients
+
+    def call(self, handler, msg, ident, req_id):
+        """A wide request is worked in slices (slices.py), its fence checked once for all and
+        each slice's keys checked as they come."""
+        if not slices.wide(msg):
+            return handler(msg, ident, req_id)
+        if isinstance(msg, P.PlaceRequest):
+            return slices.run(msg, lambda part: handler(part, ident, req_id))
+        work = partial(slices.run, msg, partial(self._slice, handler, ident, req_id))
+        return None if self._park(msg, work) else work()
+
+    def _slice(self, handler, ident, req_id, part):
+        self.check_tenant(part.keys)
+        return handler(part, ident, req_id, fenced=True)
 
     def on_ExistsRequest(self, msg: P.ExistsRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_ExistsRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_ExistsRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["exists_calls"] += 1
-        found, where = self._locate(msg.keys, stop_at_miss=True)
+        found, where = self._locate(msg.keys, stop_at_miss=True, near=msg.near, avoid=msg.avoid)
         # the probe's run is what a get will read (it skips Locate): count it like Locate does
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
-        self._count_namespaces(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
+        self.by_namespace.count(msg.keys, [True] * found + [False] * (len(msg.keys) - found))
         return P.ExistsReply(found, *where)
 
-    def _locate(self, keys: list[str], stop_at_miss: bool):
+    def _locate(self, keys: list[str], stop_at_miss: bool, near: str = "", avoid=()):
         """(how many keys were found, [held_by, holders, sizes, nodes] as in
         ``P.Locations``). With ``stop_at_miss`` only the leading run is located. The hot path
-        of every probe: column-wise, in comprehensions rather than calls per key."""
-        live = self.registry.live_slots()
-        values = self.index.get_many(keys)
+        of every probe: column-wise, in comprehensions rather than calls per key. A key with
+        copies is located on a live one the reader does not ``avoid``, on its host first."""
+        live = self.registry.reachable(avoid)
+        values = self.index.get_many(keys, live, self.registry.slots_on(near))
         slots = [-1 if v is None else v >> 104 for v in values]
         on_live = list(map(live.__contains__, slots))
         if stop_at_miss:
@@ -176,52 +188,30 @@ class MasterService(Service):
     def on_ContainsRequest(self, msg: P.ContainsRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_ContainsRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_ContainsRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["exists_calls"] += 1
         live = self.registry.live_slots()
-        return P.ContainsReply([self.index.slot_of(k) in live for k in msg.keys])
+        return P.ContainsReply([v is not None and v >> 104 in live for v in self.index.get_many(msg.keys, live)])
 
     def on_LocateRequest(self, msg: P.LocateRequest, ident, req_id, fenced=False):
         if not fenced:
             self.check_tenant(msg.keys)
-        if not fenced and self._park(self.on_LocateRequest, msg, ident, req_id):
+        if not fenced and self._park(msg, partial(self.on_LocateRequest, msg, ident, req_id, fenced=True)):
             return None
         self.counters["locate_calls"] += 1
-        found, where = self._locate(msg.keys, stop_at_miss=False)
+        found, where = self._locate(msg.keys, stop_at_miss=False, near=msg.near, avoid=msg.avoid)
         self.counters["hits"] += found
         self.counters["misses"] += len(msg.keys) - found
-        self._count_namespaces(msg.keys, [h >= 0 for h in where[1]])
+        self.by_namespace.count(msg.keys, [h >= 0 for h in where[1]])
         return P.LocateReply(*where)
-
-    def _count_namespaces(self, keys: list[str], hits: list[bool]) -> None:
-        """Hits and misses per key namespace (the part before the first '/')."""
-        if not keys:
-            return
-        first = keys[0].partition("/")
-        prefix = first[0] + "/"
-        # every key between the least and the greatest shares a prefix both have
-        if first[1] and min(keys).startswith(prefix) and max(keys).startswith(prefix):
-            found = sum(hits)   # the usual batch: one namespace
-            self._count_namespace(first[0], found, len(keys) - found)
-            return
-        for key, hit in zip(keys, hits):
-            self._count_namespace(key.split("/", 1)[0] if "/" in key else "", int(hit), int(not hit))
-
-    def _count_namespace(self, ns: str, hits: int, misses: int) -> None:
-        row = self.by_namespace.get(ns)
-        if row is None:
-            if len(self.by_namespace) >= MAX_NAMESPACES:
-                ns = "(other)"
-            row = self.by_namespace.setdefault(ns, [0, 0])
-        row[0] += hits
-        row[1] += misses
 
     def on_SnapshotRequest(self, msg: P.SnapshotRequest, ident, req_id):
         """The keys of one namespace, for a client's residency view (see master/publisher.py)."""
         self.check_tenant([msg.namespace + "/"])
         if self.publisher is None:
             return P.ErrorReply("unavailable", "this master publishes no residency (publish_port -1)")
+        self.counters["snapshots"] += 1     # views out of sync keep asking (an alert rule)
         return self.publisher.snapshot(msg.namespace, self.index, self._node_marks())
 
     def on_PlaceRequest(self, msg: P.PlaceRequest, ident, req_id):
@@ -229,36 +219,43 @@ class MasterService(Service):
             return P.ErrorReply("bad_request", f"Place: {len(msg.keys)} keys but {len(msg.sizes)} sizes")
         if any(size < 0 for size in msg.sizes):
             return P.ErrorReply("bad_request", "Place: sizes must be >= 0")
-        self.check_tenant(msg.keys)
+        self.check_tenant(msg.keys + [msg.parent] if msg.parent else msg.keys)
         self.counters["place_calls"] += 1
-        live = self.registry.live_slots()
-        todo = [i for i, v in enumerate(self.index.get_many(msg.keys)) if v is None or v >> 104 not in live]
-        chosen = self.registry.place([msg.sizes[i] for i in todo], msg.host)
-        targets: list = [None] * len(msg.keys)
-        for i, node_id in zip(todo, chosen):
-            targets[i] = node_id if node_id is not None else ""
-        nodes = {t: self.registry.nodes[t].record for t in set(chosen) if t}
-        self.counters["placed"] += len(todo)
-        self.counters["deduplicated"] += len(msg.keys) - len(todo)
-        return P.PlaceReply(targets, nodes)
+        ask = placement.ask_of(msg, self.index, self.registry, self.slots, self.branches)
+        reply, counts = placement.answer(ask, placement.place(self.registry, ask), self.registry)
+        for name, n in counts._asdict().items():
+            self.counters[name] += n
+        if self.key_limits:
+            reply = self._within_key_limits(msg.keys, ask, reply)
+        return reply
+
+    def _within_key_limits(self, keys: list[str], ask, reply: P.PlaceReply) -> P.PlaceReply:
+        """``reply`` with no node for the keys new to the index past their tenants' key limits
+        (their put answers False). Counted against the keys the index holds now: Places in
+        flight may take a tenant over by what they place."""
+        room: dict[str, float] = {}
+        t = tenant_of(keys[0]) if keys else ""
+        one = foreign_key(keys, t) is None      # the usual Place: one tenant's keys
+        targets, copies, over = list(reply.targets), list(reply.copies), 0
+        for i, held in enumerate(ask.held):
+            if held:
+                continue
+            tenant = t if one else tenant_of(keys[i])
+            left = room.get(tenant)
+            if left is None:
+                limit = self.key_limits.get(tenant, self.key_limits.get("*"))
+                left = float("inf") if limit is None else limit - self.index.tenant_keys.get(tenant, 0)
+            room[tenant] = left - 1
+            if left <= 0:
+                targets[i], over = "", over + 1
+                if copies:
+                    copies[i] = []
+        self.counters["key_limited"] += over
+        self.counters["placed"] -= over
+        return P.PlaceReply(targets, reply.nodes, copies if any(copies) else []) if over else reply
 
     def on_StatsRequest(self, msg, ident, req_id):
-        now = time.monotonic()
-        nodes = []
-        for st in self.registry.nodes.values():
-            nodes.append({**st.info.to_dict(), **st.stats, "age_s": round(now - st.last_seen, 3)})
-        tenants: dict[str, dict] = {t: {"used": 0, "quota": q} for t, q in self.quotas.items()}
-        for st in self.registry.nodes.values():
-            for t, used in st.stats.get("tenants", {}).items():
-                tenants.setdefault(t, {"used": 0, "quota": None})["used"] += int(used)
-        if self.peer.role != "admin":   # a client sees the nodes and its own tenant's figures
-            tenants = {t: v for t, v in tenants.items() if t == self.peer.tenant}
-            nodes = [{k: v for k, v in n.items() if k != "tenants"} for n in nodes]
-        stats = {"epoch": self.epoch, "version": __version__, "keys": len(self.index), "nodes": nodes, "tenants": tenants,
-                 "capacity": sum(st.info.capacity for st in self.registry.nodes.values()),
-                 "used": sum(int(st.stats.get("used", 0)) for st in self.registry.nodes.values()),
-                 **self.counters, **(self.publisher.counters if self.publisher else {})}
-        return P.StatsReply(stats)
+        return P.StatsReply(report.stats(self, self.peer))
 
     # -------------------------------------------------------------- nodes
 
@@ -270,8 +267,8 @@ class MasterService(Service):
             self.index.drop_slot(slot)
         st = self.registry.upsert(info, slot, ident)
         self._moved[info.node_id] = (st.segment, 0)
-        if self._parked:
-            self._unpark()          # a node that restarted: fences on its old segment are void
+        if self.fences:
+            self._answer(self.fences.ready())   # a node that restarted: fences on its old segment are void
         log.info("node %s registered (%s, %d bytes)", info.node_id, info.address, info.capacity)
         return P.RegisterReply(self.epoch)
 
@@ -325,7 +322,7 @@ class MasterService(Service):
         if msg.keys and msg.seq != st.seq + 1:
             return self._gap(msg, st)
         removed = sum(self.index.remove(k, st.slot) for k in msg.keys)
-        self.counters["evicted"] += removed
+        self.counters["cleared" if msg.cleared else "evicted"] += removed
         self._applied(st, msg.seq)
         return P.OkReply()
 
@@ -342,51 +339,27 @@ class MasterService(Service):
         if seq > st.seq:
             st.seq = seq
             self._moved[st.info.node_id] = (st.segment, seq)
-            if self._parked:
-                self._unpark()
+            if self.fences:
+                self._answer(self.fences.ready())
 
     # -------------------------------------------------------------- metrics
 
+    def close(self) -> None:
+        if self._publish_probe is not None:
+            self._publish_probe.close()
+        super().close()
+
     def readiness(self) -> tuple[bool, str]:
-        return bool(self.registry.nodes), "no live storage node"
+        live, expect = len(self.registry.nodes), self.config.expect_nodes
+        if not live:
+            return False, "no live storage node"
+        if live < expect:
+            return False, f"degraded: {live} of {expect} storage nodes live (expect_nodes)"
+        problem = self._publish_probe.problem() if self._publish_probe is not None else ""
+        if problem:
+            return False, (f"degraded: the publish port {self.publisher.port} takes no connection "
+                           f"({problem}): clients' views ask the master for every lookup")
+        return True, ""
 
     def metric_families(self) -> list:
-        now = time.monotonic()
-        nodes = list(self.registry.nodes.values())
-        fams = [GaugeMetricFamily("hicache_mc_master_keys", "keys in the master index", len(self.index)),
-                GaugeMetricFamily("hicache_mc_master_nodes", "live storage nodes", len(nodes))]
-        live = GaugeMetricFamily("hicache_mc_node_heartbeat_age_seconds",
-                                 "seconds since each node's last heartbeat", labels=["node"])
-        cap = GaugeMetricFamily("hicache_mc_node_capacity_bytes", "DRAM capacity per node", labels=["node"])
-        used = GaugeMetricFamily("hicache_mc_node_used_bytes", "DRAM bytes in use per node", labels=["node"])
-        for st in nodes:
-            live.add_metric([st.info.node_id], round(now - st.last_seen, 3))
-            cap.add_metric([st.info.node_id], st.info.capacity)
-            used.add_metric([st.info.node_id], int(st.stats.get("used", 0)))
-        fams += [live, cap, used]
-        for name, value in {**self.counters, **(self.publisher.counters if self.publisher else {})}.items():
-            fams.append(CounterMetricFamily(f"hicache_mc_master_{name}_total",
-                                            f"master {name.replace('_', ' ')}", value))
-        hits = CounterMetricFamily("hicache_mc_lookup_hits_total", "keys found by Locate, per key namespace",
-                                   labels=["namespace"])
-        misses = CounterMetricFamily("hicache_mc_lookup_misses_total",
-                                     "keys not found by Locate, per key namespace", labels=["namespace"])
-        for ns, (h, m) in self.by_namespace.items():
-            hits.add_metric([ns], h)
-            misses.add_metric([ns], m)
-        rejected = CounterMetricFamily("hicache_mc_master_rejected_total",
-                                       "error replies to bad requests, per code", labels=["code"])
-        for code, n in self.rejected.items():
-            rejected.add_metric([code], n)
-        used_f = GaugeMetricFamily("hicache_mc_tenant_used_bytes", "bytes held per tenant, all nodes",
-                                   labels=["tenant", "node"])
-        quota_f = GaugeMetricFamily("hicache_mc_tenant_quota_bytes", "quota per tenant", labels=["tenant"])
-        for st in nodes:
-            for t, used_bytes in st.stats.get("tenants", {}).items():
-                used_f.add_metric([t, st.info.node_id], int(used_bytes))
-        for t, q in self.quotas.items():
-            quota_f.add_metric([t], q)
-        fams += [hits, misses, rejected, used_f, quota_f,
-                 histogram_family("hicache_mc_master_request_seconds", "request handling time",
-                                  "type", self.latency)]
-        return fams
+        return report.families(self)

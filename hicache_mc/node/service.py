@@ -31,6 +31,7 @@ import zmq
 from .. import protocol as P
 from ..config import NodeConfig
 from ..auth import issue, secure_client
+from ..link import Link
 from ..rpc import Service
 from ..transport.shm import host_identity
 from ..transport.grants import Grants
@@ -112,6 +113,8 @@ class StorageNode(Service):
         # nothing is queued for a master that is not connected: a send fails at once (and the
         # node registers again later) instead of piling reports up or blocking the loop
         self.master.setsockopt(zmq.IMMEDIATE, 1)
+        self._link = Link(self.master, bool(config.token))  # why it cannot reach the master
+        self.add_socket(self._link.events, lambda: self._link.check(f"the master at {config.master}"))
         self.master.connect(config.master)
         self.add_socket(self.master, self._on_master_reply)
         self._announced = False     # registered (with the inventory) on the current channel
@@ -361,20 +364,23 @@ class StorageNode(Service):
         if not self._announced:     # the inventory it registers with leaves them out
             return P.ClearReply(len(gone))
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
-        self._evicted(gone, (ident, req_id, P.ClearReply(len(gone)), failed))
+        self._evicted(gone, (ident, req_id, P.ClearReply(len(gone)), failed), cleared=True)
         return None
 
-    def _evicted(self, keys: list[str], waiter: Optional[tuple] = None) -> None:
-        """Tell the master that ``keys`` left this node: a report numbered like commits."""
+    def _evicted(self, keys: list[str], waiter: Optional[tuple] = None, cleared: bool = False) -> None:
+        """Tell the master that ``keys`` left this node (evicted, or ``cleared``): a report
+        numbered like commits."""
         self._seq += 1
-        self._to_master(P.EvictedRequest(self.node_id, keys, self._seq), waiter)
+        self._to_master(P.EvictedRequest(self.node_id, keys, self._seq, cleared), waiter)
 
     def metric_families(self) -> list:
         return node_families(self.node_id, self.stats(), self.rejected, self.latency)
 
     def readiness(self) -> tuple[bool, str]:
         if self.epoch is None:
-            return False, f"not registered with the master at {self.config.master}"
+            problem = self._link.problem
+            return False, f"not registered with the master at {self.config.master}" + \
+                (f": {problem}" if problem else "")
         problem = self.store.writeback.problem
         return not problem, f"degraded: {problem}"
 

@@ -19,6 +19,7 @@ list or a count: any failure becomes a miss / ``False``, logged once per episode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, List, Optional
@@ -26,14 +27,16 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
+from ..client import Chain
 from ..direct import kv_namespace
-from ..keys import batch_page_keys
+from .heads import HeadGroups, head_groups
 from .hits_v2 import leading
 from .hybrid import HybridPools
 from .layout import PageGeometry, describe_pool
 from .metrics import BatchMetrics, EpisodeLog
+from .orphans import OrphanCount
 from .settings import load_settings
-from .staging import ChunkStager, fold_parts
+from .staging import ChunkStager, Staging, fold_parts
 
 logger = logging.getLogger("hicache_mc.sglang")
 
@@ -50,32 +53,35 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             self.client_config = dataclasses.replace(self.client_config, view="on")
         self.client = StoreClient(config=self.client_config)
         self.metrics = BatchMetrics()
+        self.orphans = OrphanCount()
         self.episodes = EpisodeLog()
         self.geometry: Optional[PageGeometry] = None
-        self.namespace: Optional[str] = None
+        self.heads = HeadGroups(storage_config.tp_size, storage_config.tp_rank, 1)
+        self.spaces: tuple[str, ...] = ()   # one namespace per head group (heads.py)
         self._stager: Optional[ChunkStager] = None
+        # layer_first pools' (KV and side) staging, per thread
+        self.staging = Staging(self._register, self._unregister)
         self.side_pools: dict = {}          # v2 side pools by name (hybrid.py)
         self.logical_anchor = False
+        self._said_no_prefix = False        # hot_pages without SGLang's prefix keys: said once
         self.is_writer = bool(getattr(storage_config, "is_storage_writer",
                                       not storage_config.is_mla_model or storage_config.tp_rank == 0))
-        if getattr(storage_config, "should_split_heads", False):
-            logger.info("hicache_mc: heterogeneous-TP head splitting is not used; pages are "
-                        "shared only between deployments of the same TP size")
         self._check_store()
 
     def _check_store(self) -> None:
-        """Say loudly at start-up when the store cannot serve (SGLang runs on regardless)."""
+        """Say loudly at start-up when the store cannot serve, and why (SGLang runs on
+        regardless)."""
         try:
-            cluster = self.client.stats()["cluster"]
-        except Exception:           # never into SGLang
-            cluster = None
-        if cluster is None or not cluster.get("nodes"):
+            reach = self.client.check()
+        except Exception as exc:           # never into SGLang
+            reach = None, f"{type(exc).__name__}: {exc}"
+        nodes, why = reach
+        if nodes is None or nodes <= 0:
             logger.warning(
-                "hicache_mc: NO L3 CACHE: the master at %s %s; every L3 lookup misses and every "
-                "backup is dropped until it does (is `hicache-mc serve` running? check `master` in "
-                "--hicache-storage-backend-extra-config or HICACHE_MC_MASTER)",
-                self.client_config.master,
-                "does not answer" if cluster is None else "has no live storage node")
+                "hicache_mc: NO L3 CACHE: %s; every L3 lookup misses and every backup is dropped "
+                "until that changes (master: `master` in --hicache-storage-backend-extra-config or "
+                "HICACHE_MC_MASTER; token: `token` or HICACHE_MC_TOKEN)",
+                why or f"the master at {self.client_config.master} has no live storage node")
 
     # ------------------------------------------------------------------ set-up
 
@@ -88,20 +94,26 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             logger.info("hicache_mc: logical KV anchor (no KV bytes); side pools hold the pages")
             return
         geo = describe_pool(mem_pool_host)
+        self.heads = head_groups(self.storage_config, mem_pool_host, geo.layout,
+                                 bool(self.storage_config.is_mla_model))
         if not geo.zero_copy:
-            self._stager = ChunkStager(mem_pool_host.kv_buffer, geo, self._register)
+            self._stager = ChunkStager([mem_pool_host.kv_buffer], geo, self.staging)
         self.geometry = geo
-        self.namespace = self._namespace(mem_pool_host, geo)
-        self.client.follow(self.namespace)      # the residency view, ready for the first probe
+        self.spaces = tuple(self._namespace(mem_pool_host, geo, self.heads.size, rank)
+                            for rank in self.heads.ranks)
+        for ns in self.spaces:          # the residency view, ready for the first probe
+            self.client.follow(ns)
         if geo.zero_copy:   # the store reads / writes these directly
             buffers = getattr(mem_pool_host, "get_hybrid_pool_buffer", None)
             for t in (buffers() if buffers else [mem_pool_host.kv_buffer]):
                 self._register(t.data_ptr(), t.numel() * t.element_size())
-        logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s, "
+        logger.info("hicache_mc: %s pool, layout %s, %d tokens/page, parts %s of %s B%s%s, "
                     "namespace %s, master %s", geo.kind.upper(), geo.layout, geo.page_size,
                     "/".join(geo.parts), "/".join(map(str, geo.part_bytes)),
                     "" if geo.zero_copy else f" (staged from {geo.chunks} chunks)",
-                    self.namespace, self.client_config.master)
+                    f" in {self.heads.count} head groups of TP {self.heads.size}"
+                    if self.heads.count > 1 else "", " ".join(self.spaces),
+                    self.client_config.master)
 
     def _register(self, ptr: int, size: int) -> None:
         """Register memory the transport touches (Mooncake TE); a failure only costs speed."""
@@ -113,7 +125,17 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         except Exception as exc:
             self.episodes.failed("register_buffer", exc)
 
-    def _namespace(self, pool, geo: PageGeometry) -> str:
+    def _unregister(self, ptr: int) -> None:
+        """Undo ``_register`` before that memory is freed."""
+        unregister = getattr(self.client, "unregister_buffer", None)
+        if unregister is None:
+            return
+        try:
+            unregister(ptr)
+        except Exception as exc:
+            self.episodes.failed("unregister_buffer", exc)
+
+    def _namespace(self, pool, geo: PageGeometry, tp_size: int, tp_rank: int) -> str:
         # One derivation for this adapter and the GPU-direct path (hicache_mc.direct), so a page
         # saved by either is a hit for the other. The layer count includes MTP draft layers.
         cfg, s = self.storage_config, self.settings
@@ -123,32 +145,63 @@ class HiCacheMC(HybridPools, HiCacheStorage):
         return kv_namespace(
             s.model_name or cfg.model_name or "", pool.dtype, geo.layout, geo.page_size,
             int(pool.layer_num), start_layer=_int_attr(pool, "start_layer", 0),
-            is_mla=bool(cfg.is_mla_model), tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
+            is_mla=bool(cfg.is_mla_model), tp_size=tp_size, tp_rank=tp_rank,
             pp_rank=getattr(cfg, "pp_rank", 0), attn_cp_rank=getattr(cfg, "attn_cp_rank", 0),
             attn_cp_size=getattr(cfg, "attn_cp_size", 1), tenant=s.tenant,
             kv_cache_dtype=s.kv_cache_dtype).digest()
 
+    @property
+    def objects_per_page(self) -> int:
+        """Store objects per page: each head group's parts."""
+        return len(self.spaces) * len(self.geometry.parts)
+
     def _keys(self, page_hashes: List[str]) -> list[str]:
-        return batch_page_keys(self.namespace, list(page_hashes), self.geometry.parts)
+        """Page-major, then group, then part: ``get_page_buffer_meta``'s pointer order (and
+        ``get_split_heads_page_buffer_meta``'s for several groups)."""
+        parts = self.geometry.parts
+        return [f"{ns}/{h}/{p}" for h in page_hashes for ns in self.spaces for p in parts]
 
     def _page_ptrs(self, n: int, host_indices: torch.Tensor):
         per = self.geometry.page_size
         if host_indices is None or host_indices.numel() != n * per:
             got = None if host_indices is None else host_indices.numel()
             raise ValueError(f"{n} keys need {n * per} host indices, got {got}")
+        if self.heads.count > 1:
+            return self.mem_pool_host.get_split_heads_page_buffer_meta(host_indices,
+                                                                       self.heads.count)
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
+
+    def _stored_pages(self, page_hashes: List[str]) -> int:
+        """Pages stored, counted from the first (one namespace: one view lookup from the page
+        hashes themselves, or Exists; the head groups of several: per key); those stored behind
+        the first missing page are counted as orphans (orphans.py)."""
+        per, pages = self.objects_per_page, len(page_hashes)
+        if len(self.spaces) == 1:
+            n = self.client.batch_exists_pages(self.spaces[0], page_hashes, self.geometry.parts)
+            n = max(0, min(pages, int(n)))
+            behind = self.client.contains_cached(self._keys(page_hashes[n + 1:])) \
+                if n + 1 < pages else None
+        else:
+            found = list(self.client.batch_contains(self._keys(page_hashes)))
+            n = leading(fold_parts(found, per))
+            behind = found[(n + 1) * per:]
+        if behind:
+            flags = fold_parts(behind, per)
+            self.orphans.observe([h for h, f in zip(page_hashes[n + 1:], flags) if f])
+        return n
 
     # ------------------------------------------------------------------ zero-copy path
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Pages stored, counted from the first key (one master round trip)."""
+        """Pages stored, counted from the first key: the residency view answers from the page
+        hashes when it is in sync, else the master (one round trip)."""
         if not keys or self.geometry is None:
             return 0
         try:
-            n = self.client.batch_exists(self._keys(keys))
+            n = self._stored_pages(list(keys))
             self.episodes.ok("batch_exists")
-            return max(0, min(len(keys), int(n) // len(self.geometry.parts)))
+            return n
         except Exception as exc:
             self.episodes.failed("batch_exists", exc)
             return 0
@@ -193,10 +246,11 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             start = time.perf_counter()
             ptrs, sizes = self._page_ptrs(n, host_indices)
             skeys = self._keys(keys)
+            chain = self._chain(n, extra_info)
             if self._stager is not None:
-                pages = self._staged_put(keys, skeys, ptrs)
+                pages = self._staged_put(keys, skeys, ptrs, chain)
             else:
-                pages = self._pages(self.client.batch_put_from(skeys, ptrs, sizes), n)
+                pages = self._pages(self.client.batch_put_from(skeys, ptrs, sizes, chain), n)
             self.metrics.record("backup", sum(pages), sum(pages) * self.geometry.page_bytes,
                                 time.perf_counter() - start)
             if all(pages):
@@ -209,20 +263,43 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             self.episodes.failed("batch_set_v1", exc)
             return [False] * n
 
-    def _staged_put(self, keys, skeys, ptrs) -> list[bool]:
+    def _chain(self, n: int, extra_info) -> Chain:
+        """Where a backup's pages sit in their chain: after the last of ``prefix_keys`` (SGLang
+        passes them with ``hicache_storage_pass_prefix_keys``), and how many of them, from the
+        first, are hot (``hot_pages``: a chain's first pages; -1: all)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        prefix = prefix if isinstance(prefix, list) else None   # (very old builds: a tuple)
+        hot_pages = self.settings.hot_pages
+        if hot_pages < 0:
+            hot = n
+        elif hot_pages and prefix is not None:
+            hot = max(0, min(n, hot_pages - len(prefix)))
+        else:
+            hot = 0
+            if hot_pages and not self._said_no_prefix:
+                self._said_no_prefix = True
+                logger.warning("hicache_mc: hot_pages needs SGLang's prefix keys to count a "
+                               "chain's pages: set hicache_storage_pass_prefix_keys true in "
+                               "the extra config; no page is written with copies until then")
+        parent = self._keys(prefix[-1:])[-1] if prefix else ""
+        return Chain(parent, hot * self.objects_per_page)
+
+    def _staged_put(self, keys, skeys, ptrs, chain: Chain) -> list[bool]:
         # Gathering costs a copy, so skip the leading run that is already stored (the usual case
         # when a request extends a known prefix): one exists round trip saves the copies.
         n_parts = len(self.geometry.parts)
         stored = min(len(keys), self.client.batch_exists(skeys) // n_parts)
+        if stored:          # the rest follows the last stored page in the chain
+            chain = Chain(skeys[stored * n_parts - 1], max(0, chain.hot - stored * n_parts))
         rest = self._stager.put(skeys[stored * n_parts:], ptrs[stored * n_parts * self.geometry.chunks:],
-                                self.client.batch_put_from)
+                                functools.partial(self.client.batch_put_from, chain=chain))
         return [True] * stored + self._pages(rest, len(keys) - stored)
 
     def _pages(self, ok, n: int) -> list[bool]:
         ok = list(ok)
-        if len(ok) != n * len(self.geometry.parts):
+        if len(ok) != n * self.objects_per_page:
             raise RuntimeError(f"store answered {len(ok)} results for {n} pages")
-        return fold_parts(ok, len(self.geometry.parts))
+        return fold_parts(ok, self.objects_per_page)
 
     # ------------------------------------------------------------------ flat-page (legacy) path
     # A flat page (get_data_page(flat=True)) is its part objects end to end, so these calls share
@@ -288,18 +365,20 @@ class HiCacheMC(HybridPools, HiCacheStorage):
             if t.numel() * t.element_size() != geo.page_bytes:
                 raise ValueError(f"flat page of {t.numel() * t.element_size()} B; "
                                  f"this pool's pages are {geo.page_bytes} B")
-            offset = 0
-            for size in geo.part_bytes:
-                ptrs.append(t.data_ptr() + offset)
-                sizes.append(size)
-                offset += size
+            groups = self.heads.count       # a part is [heads ...]: a group is a slice of it
+            for g in range(groups):
+                offset = 0
+                for size in geo.part_bytes:
+                    ptrs.append(t.data_ptr() + offset + g * (size // groups))
+                    sizes.append(size // groups)
+                    offset += size
         return ptrs, sizes
 
     # ------------------------------------------------------------------ admin
 
     def clear(self) -> None:
         """Remove this deployment's pages (its KV and side-pool namespaces only) from the store."""
-        spaces = [self.namespace] + [p.namespace for p in self.side_pools.values()]
+        spaces = [*self.spaces] + [p.namespace for p in self.side_pools.values()]
         for ns in filter(None, spaces):
             try:
                 removed = self.client.clear(prefix=f"{ns}/")
@@ -308,8 +387,12 @@ class HiCacheMC(HybridPools, HiCacheStorage):
                 self.episodes.failed("clear", exc)
 
     def get_stats(self):
-        """SGLang StorageMetrics since the last call (pages and GB/s per batch)."""
+        """SGLang StorageMetrics since the last call (KV pages and GB/s per batch)."""
         return self.metrics.drain()
+
+    def traffic(self) -> dict:
+        """Pages and bytes per pool since start (``kv``, and each side pool apart)."""
+        return self.metrics.traffic()
 
     def close(self) -> None:
         """Release the client's sockets and mappings; the stored pages stay."""

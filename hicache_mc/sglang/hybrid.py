@@ -79,7 +79,7 @@ class HybridPools:
                     "pp_rank": getattr(cfg, "pp_rank", 0),
                     "cp": [getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)]}
         return SidePool(name, pool, geo, side_namespace(identity, str(name), geo, pool, s.tenant),
-                        shared)
+                        shared, self.staging)
 
     def on_host_pools_registered(self) -> None:
         """The start-up pool set is known: say which pools are stored."""
@@ -112,6 +112,23 @@ class HybridPools:
 
     def _io_v2(self, transfers, load: bool) -> dict:
         op = "batch_get_v2" if load else "batch_set_v2"
+        results, batch = self._plan_v2(transfers, load, op)
+        together = [(side, io) for side, io in batch if side.stager is None]
+        if together:
+            self._move_together(together, load, op, results)
+        for side, io in batch:
+            if side.stager is not None:
+                self._move_staged(side, io, load, op, results)
+        if batch:
+            if all(all(r) for r in results.values()):
+                self.episodes.ok(op)
+            else:
+                self.episodes.failed(op, "pages missing or not stored (miss, store down or full)")
+        return results
+
+    def _plan_v2(self, transfers, load: bool, op: str) -> tuple[dict, list]:
+        """The answer so far (False per key; KV pages moved by the v1 calls) and each side
+        pool's share of the store calls still to make."""
         results: dict = {}
         batch: list[tuple[SidePool, PoolIO]] = []
         for t in transfers:
@@ -134,8 +151,10 @@ class HybridPools:
                 batch.append((side, side.io(t.name, keys, t.host_indices, load=load)))
             except Exception as exc:
                 self.episodes.failed(op, exc)
-        if not batch:
-            return results
+        return results, batch
+
+    def _move_together(self, batch: list, load: bool, op: str, results: dict) -> None:
+        """Every zero-copy and flat-page pool of the call in one store call."""
         start = time.perf_counter()
         try:
             keys = [k for _, io in batch for k in io.keys]
@@ -145,27 +164,37 @@ class HybridPools:
             ok = list(call(keys, ptrs, sizes))
             if len(ok) != len(keys):
                 raise RuntimeError(f"store answered {len(ok)} results for {len(keys)} objects")
-            at, moved, nbytes = 0, 0, 0
-            for side, io in batch:
-                pages = fold_parts(ok[at:at + len(io.keys)], io.n_parts)
-                at += len(io.keys)
-                if load and io.buffers:
-                    side.scatter(io, pages)
-                results[io.name] = pages
-                moved += sum(pages)
-                nbytes += sum(pages) * side.geo.page_bytes
-            # SGLang's StorageMetrics: side-pool pages beside the KV pages the v1 calls record
-            self.metrics.record("prefetch" if load else "backup", moved, nbytes,
-                                time.perf_counter() - start)
-            if all(all(r) for r in results.values()):
-                self.episodes.ok(op)
-            else:
-                self.episodes.failed(op, "pages missing or not stored (miss, store down or full)")
         except Exception as exc:
             self.episodes.failed(op, exc)
-            for _, io in batch:
-                results[io.name] = [False] * io.pages
-        return results
+            return
+        at = 0
+        for side, io in batch:
+            pages = fold_parts(ok[at:at + len(io.keys)], io.n_parts)
+            at += len(io.keys)
+            if load and io.buffers:
+                side.scatter(io, pages)
+            results[io.name] = pages
+        self._record_sides(batch, results, load, time.perf_counter() - start)
+
+    def _move_staged(self, side: SidePool, io: PoolIO, load: bool, op: str,
+                     results: dict) -> None:
+        """A layer_first pool: its part objects through the staging buffer, in rounds."""
+        start = time.perf_counter()
+        try:
+            move = side.stager.get if load else side.stager.put
+            call = self.client.batch_get_into if load else self.client.batch_put_from
+            results[io.name] = fold_parts(move(io.keys, io.ptrs, call), io.n_parts)
+        except Exception as exc:
+            self.episodes.failed(op, exc)
+            return
+        self._record_sides([(side, io)], results, load, time.perf_counter() - start)
+
+    def _record_sides(self, batch: list, results: dict, load: bool, seconds: float) -> None:
+        # per pool, apart from the KV pages (SGLang's StorageMetrics count those only)
+        for side, io in batch:
+            moved = sum(results[io.name])
+            self.metrics.record("prefetch" if load else "backup", moved,
+                                moved * side.geo.page_bytes, seconds, pool=str(side.name))
 
     # ------------------------------------------------------------------ lookup
 
@@ -189,7 +218,7 @@ class HybridPools:
         kv_parts = 0
         if not self.logical_anchor:
             query += self._keys(keys)
-            kv_parts = len(self.geometry.parts)
+            kv_parts = self.objects_per_page
         spans: list[_Span] = []
         for t in transfers:
             side = self.side_pools.get(str(t.name))
@@ -206,7 +235,7 @@ class HybridPools:
         present = list(self.client.batch_contains(query)) if query else []
         if len(present) != len(query):
             raise RuntimeError(f"store answered {len(present)} flags for {len(query)} keys")
-        kv_pages = n if self.logical_anchor else leading(fold_parts(present[:n * kv_parts], kv_parts))
+        kv_pages = self._kv_run(keys, present, kv_parts)
         pools = []
         for sp in spans:
             t = sp.transfer
@@ -220,6 +249,16 @@ class HybridPools:
         self.episodes.ok("batch_exists_v2")
         return PoolTransferResult(verdict.kv_hit_pages, verdict.pool_hit_pages,
                                   verdict.restorable)
+
+    def _kv_run(self, keys: list, present: list, per: int) -> int:
+        """The leading run of stored KV pages (a logical anchor: all); the pages stored behind
+        it are orphans (orphans.py)."""
+        if self.logical_anchor:
+            return len(keys)
+        flags = fold_parts(present[:len(keys) * per], per)
+        run = leading(flags)
+        self.orphans.observe([h for h, f in zip(keys[run + 1:], flags[run + 1:]) if f])
+        return run
 
 
 def _tp_sharded(pool, name) -> bool:

@@ -42,6 +42,7 @@ from .. import residency as R
 from ..auth import credential, secure_client
 from ..config import master_address
 from ..errors import HicacheError
+from ..link import Link
 from ..rpc import Channel, host_of
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class L3EventBridge:
         self._stop = threading.Event()
         self.synced = threading.Event()         # following the master now
         self.counters = {"batches": 0, "stored": 0, "removed": 0, "resets": 0}
+        self.link: Optional[Link] = None
+        self.publish_address = ""
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -138,8 +141,15 @@ class L3EventBridge:
         sub = secure_client(self.ctx.socket(zmq.SUB), credential(self.token), P.MAX_HEADER_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, R.topic(self.ns))
         sub.setsockopt(zmq.SUBSCRIBE, R.key_topic(self.ns))
-        sub.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
+        self.link = Link(sub, credential(self.token) is not None)   # why it is down, if it is
+        self.publish_address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        sub.connect(self.publish_address)
         return sub
+
+    def _silent(self) -> str:
+        problem = self.link.problem if self.link is not None else ""
+        return f"silent for {time.monotonic() - self.heard:.1f} s" + \
+            (f": the master's publish port {self.publish_address}: {problem}" if problem else "")
 
     def run(self) -> None:
         """Snapshot, subscribe, follow. The SUB stays open across start-overs, so the
@@ -161,10 +171,12 @@ class L3EventBridge:
                         due = time.monotonic() + RETRY_S
                     elif sub is None or snap.port != port:
                         if sub is not None:
+                            self.link.close()
                             sub.close(0)
                         sub, port = self._subscribe(snap.port), snap.port
                         self.epoch, due = "", time.monotonic() + 0.1   # again, subscribed
                     continue
+                self.link.check(f"the master's publish port {self.publish_address} (publish_port)")
                 if sub.poll(100):
                     topic, body = sub.recv_multipart()
                     ok = self._on_keys(body) if topic.endswith(b"#") else self._on_digests(body)
@@ -174,12 +186,13 @@ class L3EventBridge:
                 elif time.monotonic() - self.heard <= 3 * self.beat_s:
                     continue
                 else:
-                    self._start_over(f"silent for {time.monotonic() - self.heard:.1f} s")
+                    self._start_over(self._silent())
                 now = time.monotonic()
                 resets = resets + 1 if now - reset_at < 10.0 else 1
                 reset_at, due = now, now + min(8.0, 0.1 * 2 ** (resets - 1))
         finally:
             if sub is not None:
+                self.link.close()
                 sub.close(0)
             ch.close()
 

@@ -1,9 +1,20 @@
-"""Per-batch metrics for SGLang's scheduler and once-per-episode failure logging."""
+"""Per-batch metrics for SGLang's scheduler, traffic per pool, and once-per-episode failure
+logging.
+
+SGLang's ``StorageMetrics`` (``get_stats``, exported as ``sglang:prefetch_pgs`` and friends)
+count KV pages: a hybrid model's side-pool pages (a Mamba state, an SWA window) are other units,
+so they are counted apart, per pool, with the KV pages beside them under ``kv``: in
+``BatchMetrics.traffic()`` and in the Prometheus counters ``hicache_mc_sglang_pages_total`` and
+``hicache_mc_sglang_bytes_total`` (labels ``pool``, ``op`` = prefetch / backup), which SGLang's
+``/metrics`` serves with ``--enable-metrics`` (its processes share prometheus_client's
+multiprocess directory).
+"""
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("hicache_mc.sglang")
 
@@ -30,27 +41,79 @@ class _LocalStorageMetrics:
     backup_bandwidth: list = field(default_factory=list)
 
 
+KV = "kv"
+_prometheus = None
+_prometheus_lock = threading.Lock()
+
+
+class Counters(NamedTuple):
+    pages: Any        # labels pool, op
+    bytes: Any        # labels pool, op
+    orphans: Any      # no labels: orphans.py
+
+
+def prometheus_counters() -> Counters:
+    """The process's counters (created once: prometheus_client refuses a name twice in its
+    registry, and several backends live in one process)."""
+    global _prometheus
+    with _prometheus_lock:
+        if _prometheus is None:
+            from prometheus_client import Counter
+            _prometheus = Counters(
+                Counter("hicache_mc_sglang_pages", "Pages moved between SGLang's host pools and "
+                        "the L3, per pool (kv or a side pool) and op", ["pool", "op"]),
+                Counter("hicache_mc_sglang_bytes", "Bytes of those pages", ["pool", "op"]),
+                Counter("hicache_mc_sglang_orphan_pages", "KV pages a lookup found stored behind "
+                        "a page that is not (unreachable until that page is stored again)"))
+        return _prometheus
+
+
+@dataclass
+class PoolTraffic:
+    """Pages and bytes of one pool moved since the backend started."""
+    prefetch_pages: int = 0
+    prefetch_bytes: int = 0
+    backup_pages: int = 0
+    backup_bytes: int = 0
+
+
 class BatchMetrics:
-    """Pages and GB/s per prefetch / backup batch; ``drain()`` hands them over and starts afresh."""
+    """Pages and GB/s per prefetch / backup batch of KV pages (``drain()`` hands them over and
+    starts afresh), and every pool's traffic since start."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._cls = None
         self._lists = self._empty()
+        self._traffic: dict[str, PoolTraffic] = {}
+        counters = prometheus_counters()
+        self._pages, self._bytes = counters.pages, counters.bytes
 
     @staticmethod
     def _empty() -> dict[str, list]:
         return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                 "backup_bandwidth": []}
 
-    def record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
-        """``kind`` is "prefetch" or "backup"; pages and bytes moved in ``seconds``."""
+    def record(self, kind: str, pages: int, nbytes: int, seconds: float, pool: str = KV) -> None:
+        """``kind`` is "prefetch" or "backup"; pages and bytes of ``pool`` moved in ``seconds``
+        (a batch for SGLang's StorageMetrics when it is KV pages)."""
         if pages <= 0:
             return
         gbps = nbytes / max(seconds, 1e-9) / 1e9
         with self._lock:
-            self._lists[f"{kind}_pgs"].append(pages)
-            self._lists[f"{kind}_bandwidth"].append(gbps)
+            if pool == KV:
+                self._lists[f"{kind}_pgs"].append(pages)
+                self._lists[f"{kind}_bandwidth"].append(gbps)
+            t = self._traffic.setdefault(pool, PoolTraffic())
+            setattr(t, f"{kind}_pages", getattr(t, f"{kind}_pages") + pages)
+            setattr(t, f"{kind}_bytes", getattr(t, f"{kind}_bytes") + nbytes)
+        self._pages.labels(pool, kind).inc(pages)
+        self._bytes.labels(pool, kind).inc(nbytes)
+
+    def traffic(self) -> dict[str, PoolTraffic]:
+        """Every pool's pages and bytes since start (KV under ``kv``)."""
+        with self._lock:
+            return {name: PoolTraffic(**vars(t)) for name, t in self._traffic.items()}
 
     def drain(self):
         """A StorageMetrics holding everything since the last drain."""

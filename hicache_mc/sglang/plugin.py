@@ -4,7 +4,7 @@
 SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group before it parses its
 arguments, in the launching process and again in each scheduler, detokenizer and DP-controller
 process (``load_plugins``, then ``HookRegistry.apply_hooks``). hicache-mc declares ``load``
-there (pyproject.toml). It registers both backends with SGLang's factories and four hooks, each
+there (pyproject.toml). It registers both backends with SGLang's factories and five hooks, each
 a pass-through for other backends:
 
 - ``ServerArgs.add_cli_args``: ``hicache_mc`` joins the choices of both flags (closed lists).
@@ -18,6 +18,10 @@ a pass-through for other backends:
   per rank where each rank holds its own bytes (``SidePool.shared_by_tp`` False: Mamba state,
   MHA pools such as an EAGLE draft over an MLA target), so every rank backs those up; else the
   other ranks would miss that pool and SGLang, taking the minimum over ranks, every hit.
+- ``HybridCacheController.attach_storage_backend``: SGLang registers the side pools after the
+  base attach has started the storage threads, outside that attach's rollback; a pool HiCacheMC
+  refuses would leave the controller attached with its threads running. The hook detaches
+  before the error goes up, so SGLang is attached fully or not at all.
 
 SGLang's registry resolves a target when the plugins load and never again, so a hook whose
 module could not be imported then would stay off in that process. ``load`` registers each hook
@@ -140,10 +144,23 @@ def _backup_per_rank(original, controller, transfer) -> bool:
         and not side.shared_by_tp
 
 
+def _attach_or_roll_back(original, controller, *args, **kwargs):
+    try:
+        return original(controller, *args, **kwargs)
+    except Exception:
+        from .hybrid import HybridPools
+        if controller.enable_storage and isinstance(controller.storage_backend, HybridPools):
+            controller.detach_storage_backend()     # threads stopped, HiCacheMC closed
+        raise
+
+
+# below the functions it names
 HOOKS = (Hook("sglang.srt.server_args", "ServerArgs.add_cli_args", "AFTER", _add_choices),
          Hook("sglang.srt.mem_cache.storage.backend_factory",
               "StorageBackendFactory._create_builtin_backend", "AROUND", _create),
          Hook("sglang.srt.managers.cache_controller", "HiCacheController.attach_storage_backend",
               "AFTER", _zero_copy),
          Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
-              "HybridCacheController.should_backup", "AROUND", _backup_per_rank))
+              "HybridCacheController.should_backup", "AROUND", _backup_per_rank),
+         Hook("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+              "HybridCacheController.attach_storage_backend", "AROUND", _attach_or_roll_back))

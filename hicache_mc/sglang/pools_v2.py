@@ -7,8 +7,10 @@ a key and a pool of another shape (layers, dtype, state size, layout, page size)
 
 A page of a side pool is one store object per buffer that ``get_page_buffer_meta`` returns for
 it, in that order, named ``<pool namespace>/<page hash>/<i>``: the store reads and writes the host
-slots directly (zero-copy). A pool without that API (Mamba with slot side states raises
-``NotImplementedError``) stores one object per page, its flat page
+slots directly (zero-copy). A ``layer_first`` pool returns a chunk per layer (and per K / V), so
+its objects are grouped as the KV pool's are: one per part, its layers' chunks gathered through
+the backend's staging buffer (``staging.py``), not one per chunk. A pool without that API (Mamba
+with slot side states raises ``NotImplementedError``) stores one object per page, its flat page
 (``get_data_page(flat=True)``), copied through a buffer: slower, but nothing is refused.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from ..keys import NAMESPACE_CHARS, batch_page_keys, with_tenant
 from .layout import tokens_per_page
+from .staging import ChunkStager, Staging
 
 MAMBA = "mamba"   # PoolName.MAMBA: TP-sharded state even in an MLA model
 
@@ -34,6 +37,8 @@ class SideGeometry:
     page_size: int                # host slots per key (1 for Mamba state)
     part_bytes: tuple[int, ...]   # bytes of each object of a page
     zero_copy: bool               # False: one flat object per page, copied
+    chunks: int = 1               # host chunks per part: 1, or layers (layer_first, staged)
+    chunk_bytes: int = 0          # bytes of one chunk when chunks > 1
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -52,7 +57,7 @@ class PoolIO:
     keys: list[str]
     ptrs: list[int]
     sizes: list[int]
-    n_parts: int
+    n_parts: int                  # objects per page
     # Flat pages copied in or out (kept alive for the call); empty when zero-copy.
     buffers: list[torch.Tensor] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)   # first host slot of each flat page
@@ -68,7 +73,8 @@ def probe_side_pool(pool) -> SideGeometry:
         # A nested pointer list (one object over several buffers) is not a contiguous range.
         if ptrs and len(ptrs) == len(sizes) and all(isinstance(p, int) for p in ptrs) \
                 and all(s > 0 for s in sizes):
-            return SideGeometry(type(pool).__name__, layout, page_size, tuple(sizes), True)
+            return _grouped(SideGeometry(type(pool).__name__, layout, page_size, tuple(sizes),
+                                         True), _opt_int(pool, "layer_num"))
     except Exception:   # no zero-copy API for this pool (or this layout): flat pages instead
         pass
     try:
@@ -82,10 +88,23 @@ def probe_side_pool(pool) -> SideGeometry:
     return SideGeometry(type(pool).__name__, layout, page_size, (nbytes,), False)
 
 
+def _grouped(geo: SideGeometry, layers: Optional[int]) -> SideGeometry:
+    """A layer_first page's chunks (``k_l0, v_l0, k_l1, ...`` or ``l0, l1, ...``) as one object
+    per part, like the KV pool's; any other page as it is."""
+    n = len(geo.part_bytes)
+    if geo.layout != "layer_first" or not layers or layers < 2 or n % layers \
+            or len(set(geo.part_bytes)) != 1:
+        return geo
+    parts, chunk = n // layers, geo.part_bytes[0]
+    return SideGeometry(geo.pool_type, geo.layout, geo.page_size, (chunk * layers,) * parts,
+                        True, layers, chunk)
+
+
 def side_namespace(identity: dict, name: str, geo: SideGeometry, pool, tenant: str) -> str:
     """Digest of the deployment, the pool's name and everything that shapes its page bytes."""
     shape = {"type": geo.pool_type, "layout": geo.layout, "page_size": geo.page_size,
              "part_bytes": list(geo.part_bytes), "zero_copy": geo.zero_copy,
+             "chunks": geo.chunks,
              "dtype": str(getattr(pool, "dtype", "")),
              # every buffer's dtype: a Mamba pool's ``dtype`` is its conv state's, and an SSM
              # state of another 2-byte dtype would otherwise share the namespace
@@ -98,11 +117,15 @@ def side_namespace(identity: dict, name: str, geo: SideGeometry, pool, tenant: s
 class SidePool:
     """A registered side pool: where its pages live on the host and what they are called."""
 
-    def __init__(self, name, pool, geometry: SideGeometry, namespace: str, shared_by_tp: bool):
+    def __init__(self, name, pool, geometry: SideGeometry, namespace: str, shared_by_tp: bool,
+                 staging: Staging):
         self.name, self.pool, self.geo, self.namespace = name, pool, geometry, namespace
         # Replicated across TP ranks (MLA models, pools other than Mamba state and MHA pools):
         # one copy serves all ranks, so only the writer rank stores it and all read the same keys.
         self.shared_by_tp = shared_by_tp
+        # layer_first: its own store calls, through the backend's staging buffer
+        self.stager = ChunkStager(_buffers(pool), geometry, staging) if geometry.chunks > 1 \
+            else None
 
     def keys(self, page_hashes: Sequence[str]) -> list[str]:
         return batch_page_keys(self.namespace, list(page_hashes), self.geo.parts)
@@ -120,9 +143,12 @@ class SidePool:
         if self.geo.zero_copy:
             ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
             ptrs, sizes = list(ptrs), [int(s) for s in sizes]
-            if sizes != list(self.geo.part_bytes) * n or len(ptrs) != len(sizes):
+            g = self.geo
+            want = [g.chunk_bytes] * (g.chunks * len(g.parts) * n) if g.chunks > 1 else \
+                list(g.part_bytes) * n
+            if sizes != want or len(ptrs) != len(sizes):
                 raise ValueError(f"pool {self.name}: page buffers changed shape since start-up")
-            return PoolIO(name, n, keys, ptrs, sizes, len(self.geo.parts))
+            return PoolIO(name, n, keys, ptrs, sizes, len(g.parts))
         starts = host_indices[::per].tolist()
         if load:
             buffers = [self.pool.get_dummy_flat_data_page().contiguous() for _ in starts]

@@ -38,6 +38,14 @@ class AdapterSettings:
                                # credential's tenant when the token is one)
     model_name: str = ""       # overrides --served-model-name in the key namespace
     kv_cache_dtype: str = ""   # the --kv-cache-dtype; tells fp8 variants apart (host pools hold them as uint8)
+    # pages, from a chain's first, written with the client's `replicas` copies (needs SGLang's
+    # prefix keys, hicache_storage_pass_prefix_keys); -1: every page (a namespace every
+    # instance reads); 0: none
+    hot_pages: int = 0
+
+    def __post_init__(self):
+        if self.hot_pages < -1:
+            raise ConfigError(f"hot_pages: expected -1, 0 or a page count, got {self.hot_pages}")
 
 
 def load_settings(extra: Optional[Mapping[str, Any]],

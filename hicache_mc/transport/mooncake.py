@@ -242,12 +242,14 @@ class SharedEngine:
 
 
 class Staging:
-    """A registered bounce buffer, used by one round at a time."""
+    """A registered bounce buffer, used by one round at a time. ``held``: a transfer through it
+    was abandoned and the engine may still use it; the engine's completion frees it."""
 
     def __init__(self, engine: SharedEngine, size: int):
         self.mm = mmap.mmap(-1, size)
         self._anchor, self.base = buffer_address(self.mm)
         self.size, self.engine = size, engine
+        self.held = False
         engine.register(self.base, size)
 
     def close(self) -> None:

@@ -31,13 +31,15 @@ MAGIC = b"HICACHEMC-SEG-1\0"   # first bytes of every segment, then the segment 
 
 
 def host_identity() -> str:
-    """Hostname plus boot id: equal only for processes that can share /dev/shm."""
+    """The kernel's boot id (a random UUID per boot): equal for the processes of one machine,
+    containers included, whatever their hostnames; they may share shared memory if their
+    mounts let them (a client that cannot open a node's segment file uses tcp). The hostname
+    where the kernel has no boot id."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()[:8]
+            return "boot-" + f.read().strip()
     except OSError:
-        boot = "noboot"
-    return f"{socket.gethostname()}-{boot}"
+        return "host-" + socket.gethostname()
 
 
 class Segment:

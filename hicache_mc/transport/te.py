@@ -9,10 +9,12 @@ Registered memory: a TE transfer needs its local memory registered (RDMA enforce
 not). ``register_buffer(ptr, size)`` registers caller memory once (the SGLang host pool,
 benchmark buffers); an object whose caller memory lies inside a registered region moves
 straight to or from it. Other caller memory is bounced through a registered staging buffer of
-``te_staging`` bytes (one memmove). Caller memory is never registered on the fly and cached: a
-cached registration of memory that the caller frees and reallocates would keep the old pages
-pinned, and RDMA would then move stale physical pages. An object larger than the staging buffer
-is registered for its one transfer and unregistered right after.
+``te_staging`` bytes (one memmove); an object larger than that, through a buffer of its own
+size, registered for its one transfer. Caller memory is never registered on the fly: a cached
+registration of memory that the caller frees and reallocates would keep the old pages pinned,
+and RDMA would then move stale physical pages; and a transfer abandoned at its deadline may
+still write into local memory after the caller has freed it (a flat page SGLang drops once the
+call returns), where only a buffer the transport owns until the engine is done is safe.
 
 Bounded calls: the TE's sync calls spin until done or ``MC_TRANSFER_TIMEOUT`` (default 30 s,
 minimum 5) plus 1 s per GiB, and the first call to a node opens its segment, which waits for
@@ -23,7 +25,8 @@ until done or the deadline. An overrun is a failure (misses). A transfer that ou
 may still finish later: a worker thread waits it out before its staging buffer is freed (never
 reused meanwhile); registered caller memory of those keys may still receive bytes (a known
 limit, kept short by building the client's TE with ``MC_TRANSFER_TIMEOUT = max(5, timeout_s)``
-unless the user set it).
+unless the user set it). ``counters["late_released"]`` counts staging buffers freed only once
+an abandoned transfer finished.
 
 Leases, reservations, rounds and verification are ``LeasedTransport``'s (transport/base.py),
 shared with shm and tcp; this module only moves the bytes.
@@ -73,9 +76,9 @@ class MooncakeTransport(LeasedTransport):
         self._staging: Optional[Staging] = None
         self._staging_lock = threading.Lock()
         self._lock = threading.Lock()
-        # objects moved straight to/from registered memory, through staging, or with a
-        # one-off registration
-        self.counters = {"direct": 0, "staged": 0, "one_off": 0}
+        # objects moved straight to/from registered memory, through staging, or through a
+        # staging buffer of their own; staging buffers freed after an abandoned transfer ended
+        self.counters = {"direct": 0, "staged": 0, "one_off": 0, "late_released": 0}
 
     # -------------------------------------------------------------- engine and registration
 
@@ -209,8 +212,8 @@ class MooncakeTransport(LeasedTransport):
 
     def _move(self, node, read: bool, items: list[tuple[int, int, int]], deadline: float) -> None:
         """Transfer ``items`` = (caller ptr, node offset, size): registered caller memory
-        directly; other memory through the staging buffer, or, when bigger than it, registered
-        for that one transfer."""
+        directly; other memory through the staging buffer, or, when bigger than it, through a
+        staging buffer of its own."""
         items = [it for it in items if it[2] > 0]
         regions = self._region_list
         direct = [it for it in items if _inside(regions, it[0], it[2])]
@@ -219,37 +222,50 @@ class MooncakeTransport(LeasedTransport):
                            [s for _, _, s in direct], deadline)
             self.counters["direct"] += len(direct)
         bounced = [it for it in items if not _inside(regions, it[0], it[2])]
-        engine = self._ensure_engine(node.te_protocol)
-        for ptr, off, size in [it for it in bounced if it[2] > self.staging_bytes]:
-            engine.register(ptr, size)
-            self._transfer(node, read, [ptr], [node.te_base + off], [size], deadline,
-                           after=lambda ptr=ptr: engine.unregister(ptr))
+        for item in [it for it in bounced if it[2] > self.staging_bytes]:
+            stage = Staging(self._ensure_engine(node.te_protocol), item[2])
+            try:
+                self._staged(node, read, [item], deadline, stage)
+            finally:
+                if not stage.held:
+                    stage.close()
             self.counters["one_off"] += 1
         small = [it for it in bounced if it[2] <= self.staging_bytes]
         if small:
             with self._staging_lock:
                 for idx in groups([it[2] for it in small], self.staging_bytes):
-                    self._staged(node, read, [small[i] for i in idx], deadline)
+                    stage = self._staging or Staging(self._ensure_engine(), self.staging_bytes)
+                    self._staging = stage
+                    try:
+                        self._staged(node, read, [small[i] for i in idx], deadline, stage)
+                    finally:
+                        if stage.held:      # the TE may still be using it: never reuse it
+                            self._staging = None
+                    self.counters["staged"] += len(idx)
 
-    def _staged(self, node, read: bool, chunk: list[tuple[int, int, int]], deadline: float) -> None:
-        """One staging-buffer load: copy in (write), transfer, copy out (read)."""
-        stage = self._staging or Staging(self._ensure_engine(), self.staging_bytes)
-        self._staging = stage
+    def _staged(self, node, read: bool, chunk: list[tuple[int, int, int]], deadline: float,
+                stage: Staging) -> None:
+        """One load of ``stage``: copy in (write), transfer, copy out (read). A transfer
+        abandoned at the deadline leaves ``stage.held``: the engine frees it once done."""
         at = [stage.base + sum(s for _, _, s in chunk[:i]) for i in range(len(chunk))]
         if not read:
             for (ptr, _, size), a in zip(chunk, at):
                 memmove(a, ptr, size)
         try:
             self._transfer(node, read, at, [node.te_base + o for _, o, _ in chunk],
-                           [s for _, _, s in chunk], deadline, abandoned=stage.close)
+                           [s for _, _, s in chunk], deadline,
+                           abandoned=lambda: self._release_late(stage))
         except TransferEngineError as exc:
-            if exc.abandoned:       # the TE may still be using it: never reuse it
-                self._staging = None
+            stage.held = exc.abandoned
             raise
         if read:
             for (ptr, _, size), a in zip(chunk, at):
                 memmove(ptr, a, size)
-        self.counters["staged"] += len(chunk)
+
+    def _release_late(self, stage: Staging) -> None:
+        """The engine is done with a staging buffer whose transfer was abandoned."""
+        stage.close()
+        self.counters["late_released"] += 1
 
     # -------------------------------------------------------------- Transport
 

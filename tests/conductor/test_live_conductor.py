@@ -32,6 +32,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
+    live.build_page_hash()
     store = Store(tmp_path_factory.mktemp("store")).start()
     try:
         with live.start_servers(tiny_model, store.master, tmp_path_factory.mktemp("servers"),

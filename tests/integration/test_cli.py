@@ -20,6 +20,7 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
     master's metrics on any free port: 9370 may be another test's)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
     base["HICACHE_MC_MASTER_METRICS_PORT"] = "0"
+    base["HICACHE_MC_PUBLISH_PORT"] = "0"
     return subprocess.run([sys.executable, "-m", "hicache_mc.cli", *args], capture_output=True,
                           text=True, timeout=120, env={**base, **(env or {})})
 
@@ -142,3 +143,38 @@ def test_wait_probes_with_a_tenant_credential(secured, tmp_path):
     r = cli("wait", "--timeout", "120", env={"HICACHE_MC_MASTER": secured.master,
                                              "HICACHE_MC_TOKEN": f"@{cred}"})
     assert r.returncode == 0 and "a probe put succeeded" in r.stdout, r.stderr
+
+
+def test_a_secret_given_as_an_argument_is_refused_without_echoing_it():
+    secret = "hmc1:client::" + "ab" * 32 + ":" + "cd" * 32
+    for argv in (["stats", "--token", secret], ["stats", f"--token={secret}"],
+                 ["serve", "--token", secret], ["wait", "--token-fil", "x"]):
+        r = cli(*argv)
+        assert r.returncode == 2 and secret not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "a secret is never an argument" in r.stderr or "unrecognized arguments" in r.stderr
+
+
+def test_a_credential_written_to_a_file_is_readable_by_its_owner_only(secured, tmp_path):
+    out = tmp_path / "teamA.cred"
+    r = subprocess.run(f"umask 022; {sys.executable} -m hicache_mc.cli credential --tenant teamA "
+                       f"--token-file {secured.token_file} > {out}", shell=True,
+                       capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")})
+    assert r.returncode == 0, r.stderr
+    assert out.read_text().startswith("hmc1:client:teamA:") and (out.stat().st_mode & 0o777) == 0o600
+
+
+def test_serve_with_the_masters_port_in_the_environment_starts(tmp_path):
+    """HICACHE_MC_PORT set the node's port too: serve's node then failed, "address in use"."""
+    port = free_port()
+    env = {"HICACHE_MC_PORT": str(port), "HICACHE_MC_DATA_DIR": str(tmp_path)}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_MC_")}
+    base.update(HICACHE_MC_MASTER_METRICS_PORT="0", HICACHE_MC_PUBLISH_PORT="0", **env)
+    p = subprocess.Popen([sys.executable, "-m", "hicache_mc.cli", "serve", "--dram", "32MiB"],
+                         env=base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        r = cli("wait", "--master", f"127.0.0.1:{port}", "--timeout", "60")
+        assert r.returncode == 0, r.stderr + (p.stderr.read() if p.poll() is not None else "")
+    finally:
+        p.terminate()
+        p.wait(30)

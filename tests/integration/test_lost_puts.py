@@ -27,7 +27,7 @@ def test_a_late_eviction_report_leaves_a_key_committed_after_it(store):
     test_commit_fence.py checks the numbering on the node's own connection.)"""
     with StoreClient(store.master) as c:
         assert c.put("late/k", b"v1")
-        node_id = next(iter(c._fences))
+        node_id = next(iter(c.fences.after()))
         reply = request(store.master, P.EvictedRequest(node_id, ["late/k"]))
         assert isinstance(reply, P.ErrorReply) and reply.code in ("report_gap", "unknown_node"), reply
         assert c.exists("late/k")

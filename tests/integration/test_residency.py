@@ -1,6 +1,7 @@
 """The residency view (client/view.py) against a real master and node: it answers lookups
 locally once in sync, follows puts, clears, node expiry and a master restart, resyncs after a
 lost update, keeps read-your-writes, and never holds a caller past its deadline."""
+import signal
 import time
 
 import pytest
@@ -76,6 +77,48 @@ def test_view_answers_locally_and_follows_puts_and_clears(cluster):
         # every lookup above came from the view: the master answered none of them
         assert exists_calls(w) == before
         assert r.view.counters["view_answers"] > answers + 3
+
+
+def test_contains_cached_answers_from_the_view_or_not_at_all(cluster):
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r, \
+            StoreClient(cluster.master, view="off") as off:
+        assert w.put(key("cc"), b"x")
+        assert off.contains_cached([key("cc")]) is None         # no view: no answer
+        before = exists_calls(w), w.stats()["cluster"]["locate_calls"]
+        assert r.contains_cached([key("cc"), key("nope")]) is None    # not in sync yet
+        follow(r)
+        wait(lambda: r.contains_cached([key("cc"), key("nope")]) == [True, False],
+             what="put seen")
+        cluster.master_proc.pause()                            # a silent master: out of sync
+        try:
+            wait(lambda: r.contains_cached([key("cc")]) is None, what="view gave up")
+        finally:
+            cluster.master_proc.kill(signal.SIGCONT)
+        assert (exists_calls(w), w.stats()["cluster"]["locate_calls"]) == before
+
+
+def test_a_chain_of_sglang_pages_is_answered_from_its_page_hashes(cluster):
+    """A client that wrote none of the keys answers a chain of SGLang pages (SHA-256 page
+    hashes, k and v parts) from the hashes alone: the digests it derives from them are the
+    ones the master derived from the keys it indexed. A chain with a hash that is no page hash
+    is answered from its keys."""
+    import hashlib
+    hashes = [hashlib.sha256(b"page %d" % i).hexdigest() for i in range(4)]
+    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+        for h in hashes[:3]:
+            assert w.put(f"{NS}/{h}/k", b"k") and w.put(f"{NS}/{h}/v", b"v")
+        assert w.put(f"{NS}/{hashes[3]}/k", b"k")          # page 3 has no v: the run ends
+        follow(r)
+        before, answers = exists_calls(w), r.view.counters["view_answers"]
+        assert r.batch_exists_pages(NS, hashes, ("k", "v")) == 3
+        assert r.batch_exists_pages(NS, hashes, ("k",)) == 4
+        assert r.batch_exists_pages(NS, hashes[1:], ("v",)) == 2
+        assert r.view.counters["view_answers"] == answers + 3 and exists_calls(w) == before
+        odd = hashes[:2] + ["not a page hash"]
+        assert w.put(f"{NS}/not a page hash/k", b"k") and w.put(f"{NS}/not a page hash/v", b"v")
+        fallbacks = r.view.counters["view_fallbacks"]
+        wait(lambda: r.batch_exists_pages(NS, odd, ("k", "v")) == 3, what="odd chain seen")
+        assert r.view.counters["view_fallbacks"] > fallbacks and exists_calls(w) == before
 
 
 def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):

@@ -59,7 +59,8 @@ def test_over_quota_tenant_evicts_its_own_objects_only(cluster):
             if tenants.get("greedy", {}).get("used") == len(held) * MiB:
                 break
             time.sleep(0.1)
-        assert tenants["greedy"] == {"used": len(held) * MiB, "quota": 6 * MiB}
+        assert tenants["greedy"] == {"used": len(held) * MiB, "quota": 6 * MiB, "keys": len(held),
+                                     "key_limit": None}
         assert tenants["polite"]["used"] == 8 * MiB and tenants["polite"]["quota"] is None
 
 

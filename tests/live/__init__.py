@@ -16,14 +16,21 @@ API (``tests/`` is on ``sys.path`` in every test, so ``import live``):
   ``n`` servers at once, waits until every one is ready, yields them as a list and stops them
   all on the way out, whatever happened. ``live.SGLangServer(...).start()`` with
   ``live.wait_ready([...])`` does the same by hand, for servers with different options or
-  stores (then stop each with ``.stop()`` in a ``finally`` or an ``ExitStack``).
+  stores (call ``live.build_page_hash()`` first, and stop each with ``.stop()`` in a
+  ``finally`` or an ``ExitStack``).
 - ``SGLangServer``: ``.url`` (``http://127.0.0.1:<port>``), ``.port``, ``.name``,
   ``.kv_events`` (``KVEventsEndpoints(publisher, replay, topic)``: connect a SUB to
   ``publisher``, a DEALER to ``replay``; None unless asked for), ``.generate(input_ids=... |
   text=..., max_new_tokens, logprob_start_len)`` -> ``Generation`` (output ids, prompt /
   cached / storage tokens, ``storage_backend``, input and output logprobs, the raw
-  ``meta_info``), ``.loads()`` (``GET /v1/loads``), ``.metrics()`` (``GET /metrics``),
+  ``meta_info``), ``.first_token(input_ids)`` -> ``FirstToken(seconds, cached_tokens,
+  storage_tokens)`` (streamed: the time to first token), ``.loads()`` (``GET /v1/loads``),
+  ``.metrics()`` (``GET /metrics``),
   ``.log()`` (the tail of ``<workdir>/<name>.log``), ``.alive``, ``.stop()``.
+
+Load reports: ``.loads()`` polls ``GET /v1/loads`` (per DP rank: queues, token usage, ...).
+SGLang's load PUB (``--load-publish-endpoint``) binds a wildcard host only, never 127.0.0.1, so
+the harness leaves it off (``extra_args`` can still turn it on).
 
 Each server is a process group of its own (launcher, scheduler, detokenizer): ``stop()``
 signals the group, and a server whose pytest process dies gets SIGKILL from the kernel
@@ -54,8 +61,9 @@ A server takes about a minute to start on two busy cores and holds about 2 GiB (
 processes); keep them module-scoped.
 """
 from .model import TinyModel, make_tiny_model, prompt_ids, prompt_text
-from .server import (Generation, KVEventsEndpoints, SGLangServer, ServerOptions,
-                     start_servers, wait_ready)
+from .server import (FirstToken, Generation, KVEventsEndpoints, SGLangServer, ServerOptions,
+                     build_page_hash, start_servers, wait_ready)
 
-__all__ = ["Generation", "KVEventsEndpoints", "SGLangServer", "ServerOptions", "TinyModel",
-           "make_tiny_model", "prompt_ids", "prompt_text", "start_servers", "wait_ready"]
+__all__ = ["FirstToken", "Generation", "KVEventsEndpoints", "SGLangServer", "ServerOptions",
+           "TinyModel", "build_page_hash", "make_tiny_model", "prompt_ids", "prompt_text",
+           "start_servers", "wait_ready"]

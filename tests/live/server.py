@@ -19,7 +19,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import requests
 
-from procs import free_port
+from procs import lasting_port
 
 HERE = Path(__file__).resolve().parent
 # The stand-ins every server process imports (tests only): the torchvision stub of the
@@ -30,21 +30,25 @@ SERVER_PATH = (HERE.parent / "stubs", HERE / "server_path")
 SERVER_MODULES = ("fastapi", "uvicorn", "uvloop", "setproctitle", "jsonschema", "xgrammar",
                   "multipart", "interegular", "einops", "soundfile")
 PR_SET_PDEATHSIG = 1
+# SGLang hashes pages with a torch C++ extension that it compiles on first use (about 30 s
+# here). Built once per environment, not in the directory every checkout of the machine shares,
+# where their differing sources rebuild it in turn.
+TORCH_EXTENSIONS = os.path.join(sys.prefix, "torch_extensions")
+_page_hash_built = False
 
 
 @dataclass(frozen=True)
 class ServerOptions:
     """How a server is started. The defaults give HiCache with the L3 on the zero-copy path,
-    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, and the
-    backend gives up on a dead store after ``timeout_s``."""
+    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, lookups ask
+    the master (``view: off``: a residency view follows the master by milliseconds, and a test
+    that reads right after another server wrote would race it), and the backend gives up on a
+    dead store after ``timeout_s``."""
     page_size: int = 16
     mem_layout: str = "page_first_direct"     # or layer_first: what cpu_hicache can move
     prefetch_policy: str = "wait_complete"
-    # SGLang re-asks the L3 about a queued request that missed, every 8 scheduler passes, 8
-    # times (its defaults), in case a backup is still committing: on an idle CPU server that
-    # held each miss ~70 s. Tests wait for their pages to be stored instead.
-    miss_polls: int = 0
-    backend_config: Mapping[str, object] = field(default_factory=lambda: {"timeout_s": 2.0})
+    backend_config: Mapping[str, object] = field(
+        default_factory=lambda: {"timeout_s": 2.0, "view": "off"})
     max_total_tokens: int = 4096              # device (L1) tokens; the host pool holds 2x
     kv_events: bool = False                   # --kv-events-config on two free ports
     metrics: bool = False                     # --enable-metrics: GET /metrics
@@ -72,12 +76,32 @@ class Generation(NamedTuple):
     meta: dict
 
 
+class FirstToken(NamedTuple):
+    """One streamed request: time to its first token, and its prompt's cache hits."""
+    seconds: float
+    cached_tokens: int
+    storage_tokens: int
+
+
 def check_server_modules() -> None:
     """Raise, naming them, when SGLang's server dependencies are not installed."""
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise RuntimeError(f"SGLang's server needs {', '.join(missing)}: run `make setup` "
                            "(requirements/sglang-cpu.txt)")
+
+
+def build_page_hash() -> None:
+    """Compile SGLang's page hash before the servers start (once per process; a no-op when the
+    environment has it): else each server compiles it in its first L3 lookup, the servers of
+    a test in turn, while that lookup's request waits."""
+    global _page_hash_built
+    if _page_hash_built:
+        return
+    subprocess.run([sys.executable, "-c", "from sglang.srt.mem_cache.utils import get_hash_str; "
+                    "get_hash_str([1, 2, 3])"], check=True, timeout=900,
+                   env=dict(os.environ, TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS))
+    _page_hash_built = True
 
 
 def _die_with_parent() -> None:
@@ -93,13 +117,13 @@ class SGLangServer:
     def __init__(self, name: str, model: Path, master: str, workdir: Path,
                  options: ServerOptions = ServerOptions()):
         self.name, self.model, self.master, self.options = name, Path(model), master, options
-        self.port = free_port()
+        self.port = lasting_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"{name}.log"
         self.kv_events: Optional[KVEventsEndpoints] = None
         if options.kv_events:
-            self.kv_events = KVEventsEndpoints(f"tcp://127.0.0.1:{free_port()}",
-                                               f"tcp://127.0.0.1:{free_port()}", "kv")
+            self.kv_events = KVEventsEndpoints(f"tcp://127.0.0.1:{lasting_port()}",
+                                               f"tcp://127.0.0.1:{lasting_port()}", "kv")
         self.proc: Optional[subprocess.Popen] = None
         self.http = requests.Session()
 
@@ -115,9 +139,7 @@ class SGLangServer:
                 "--hicache-io-backend", "direct", "--hicache-mem-layout", o.mem_layout,
                 "--hicache-storage-backend", "hicache_mc",
                 "--hicache-storage-backend-extra-config", json.dumps(config),
-                "--hicache-storage-prefetch-policy", o.prefetch_policy,
-                "--hicache-storage-prefetch-retry-poll-interval", str(o.miss_polls),
-                "--enable-cache-report"]
+                "--hicache-storage-prefetch-policy", o.prefetch_policy, "--enable-cache-report"]
         if self.kv_events:
             args += ["--kv-events-config", json.dumps({
                 "publisher": "zmq", "endpoint": self.kv_events.publisher, "bind": True,
@@ -133,7 +155,8 @@ class SGLangServer:
         env.update(PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
                    SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="hicache_mc,cpu_hicache",
                    # two cores shared by every server of a test: one compute thread each
-                   OMP_NUM_THREADS="1", **self.options.env)
+                   OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
+        env.update(self.options.env)
         return env
 
     def start(self) -> "SGLangServer":
@@ -198,6 +221,25 @@ class SGLangServer:
                           [lp[0] for lp in meta["input_token_logprobs"]],
                           [lp[0] for lp in meta["output_token_logprobs"]], meta)
 
+    def first_token(self, input_ids: Sequence[int], timeout_s: float = 600.0) -> "FirstToken":
+        """Stream one greedy token for ``input_ids``: the seconds until the first chunk (the
+        time to first token, seen by the client) and what the prompt took from the caches."""
+        body = {"input_ids": list(input_ids), "stream": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        start = time.perf_counter()
+        first, meta = None, {}
+        with self.http.post(f"{self.url}/generate", json=body, stream=True,
+                            timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - start
+                meta = json.loads(line[len(b"data:"):])["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        return FirstToken(first, meta.get("cached_tokens", 0), details.get("storage", 0))
+
     def loads(self) -> dict:
         """``GET /v1/loads``: the per-DP-rank load report (queues, memory, ...)."""
         r = self.http.get(f"{self.url}/v1/loads", timeout=30)
@@ -237,6 +279,7 @@ def start_servers(model: Path, master: str, workdir: Path, n: int = 1,
     """Start ``n`` servers against one store at once, wait until all are ready, yield them,
     and stop every one on the way out, whatever happened (a failed start included)."""
     names = list(names or [f"sglang{i}" for i in range(n)])
+    build_page_hash()
     with ExitStack() as stack:
         servers = []
         for name in names:

@@ -49,7 +49,7 @@ def test_a_turn_cut_into_chunks_names_its_reports_on_the_last_chunk_only():
         assert first.nodes == {} and last.nodes == {"node-a": ("seg", 7)}
     finally:
         sub.close(0)
-        pub.sock.close(0)
+        pub.close()
 
 
 def test_key_updates_are_cut_by_bytes_as_well_as_by_count():
@@ -59,3 +59,34 @@ def test_key_updates_are_cut_by_bytes_as_well_as_by_count():
     assert all(sum(len(k) for k, _ in p) <= pub_mod.KEY_CHUNK_BYTES for p in parts)
     small = [(f"{NS}/{i}", False) for i in range(R.CHUNK + 1)]
     assert [len(p) for p in pub_mod._key_chunks(small)] == [R.CHUNK, 1]
+
+
+def test_a_forgotten_namespace_numbers_on_above_every_number_given():
+    """A namespace with no keys and no subscriber is forgotten; its next update, and any other
+    new namespace's, is numbered above every number handed out before, so a view holding an
+    old snapshot sees a gap or the next number, never a number it has seen."""
+    ctx = zmq.Context.instance()
+    sizes = {NS: 1, "other": 1}
+    pub = Publisher(ctx, Guard(ctx, ""), "127.0.0.1", 0, "epoch", 10.0, size=lambda ns: sizes.get(ns, 0))
+    try:
+        d = (1).to_bytes(16, "little")
+        pub.flush({NS: {d: True}}, lambda: {}, {}, 0.0)
+        pub.flush({NS: {d: False}, "other": {d: True}}, lambda: {}, {}, 0.0)
+        assert pub.seq == {NS: 2, "other": 1} and pub.namespaces == 2      # NS still has a key
+        sizes[NS] = 0
+        pub.flush({NS: {d: False}}, lambda: {}, {}, 0.0)
+        assert NS not in pub.seq and pub.floor == 3 and pub.namespaces == 1
+        assert pub.snapshot(NS, _Empty(), {}).seq == 3          # a view starts at the floor
+        sizes[NS] = 1
+        pub.flush({NS: {d: True}}, lambda: {}, {}, 0.0)
+        assert pub.seq[NS] == 4
+    finally:
+        pub.close()
+
+
+class _Empty:
+    def namespace_size(self, ns):
+        return 0
+
+    def digests(self, ns):
+        return b""

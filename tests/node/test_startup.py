@@ -35,7 +35,7 @@ def start(tmp_path):
         head = ["node", "--master", f"tcp://127.0.0.1:{port}"] if cmd == "node" else ["serve", "--port", port]
         env = {"HICACHE_MC_SHM_DIR": shm_dir, "HICACHE_MC_DATA_DIR": str(tmp_path / "data"),
                # serve's master: not 9370, which another hicache-mc on this host may hold
-               "HICACHE_MC_MASTER_METRICS_PORT": "0"}
+               "HICACHE_MC_MASTER_METRICS_PORT": "0", "HICACHE_MC_PUBLISH_PORT": "0"}
         procs.append(Proc([*head, *args], str(tmp_path / f"{cmd}.log"), env, os.setsid).start())
         return procs[-1]
     yield run
@@ -132,3 +132,18 @@ def test_the_demo_with_too_little_dram_says_why_it_failed():
     assert r.returncode != 0, out
     assert "--dram" in out and "16MiB" in out, out       # the setting to change, and its value
     assert "Traceback" not in out, out
+
+
+def test_an_ssd_tier_larger_than_its_disk_is_named_at_start(start, tmp_path, shm_dir):
+    """--ssd 100GiB on a disk with 61 GB free was accepted without a word."""
+    import shutil as sh
+    ssd_dir = tmp_path / "ssd"
+    too_big = sh.disk_usage(tmp_path).free + (64 << 30)
+    proc = start("node", shm_dir, "--dram", "16MiB", "--ssd", str(too_big), "--ssd-dir", str(ssd_dir))
+    end = time.monotonic() + START_S
+    while "will fill the disk first" not in proc.log():
+        assert proc.alive and time.monotonic() < end, proc.log()
+        time.sleep(0.05)
+    line = next(x for x in proc.log().splitlines() if "will fill the disk first" in x)
+    assert f"ERROR hicache_mc.node.startup: ssd {too_big / 2**30:.1f} GiB: {ssd_dir} has " in line
+    assert proc.alive          # it serves all the same, until the disk fills

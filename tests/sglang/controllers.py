@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.runtime_context import get_parallel
 
-from pools import DYNAMIC, fill_random, page_bytes
+from pools import DYNAMIC, fill_random, page_bytes, write_token_kv
 
 ACK_TIMEOUT_S = 30.0
 BACKEND_METHODS = ("batch_exists", "batch_get_v1", "batch_set_v1", "batch_get", "batch_set",
@@ -115,7 +115,8 @@ class ControllerRig:
                  hybrid: bool = True, dtype=torch.bfloat16, page_size: int = 16, layers: int = 3,
                  heads: int = 2, head_dim: int = 32, device_tokens: int = 256,
                  host_ratio: float = 2.0, threshold: Optional[int] = None,
-                 side: Optional[dict] = None, **extra):
+                 side: Optional[dict] = None, model: str = "test/controller",
+                 attach: bool = True, **extra):
         self.page_size = page_size
         if kind == "mla":
             self.device = MLATokenToKVPool(
@@ -138,10 +139,12 @@ class ControllerRig:
                 write_back_staging=getattr(self.device, "hicache_write_back_staging", None))
         allocator = PagedTokenToKVPoolAllocator(device_tokens, page_size, dtype, "cpu",
                                                 self.device, need_sort=False)
-        config = {**DYNAMIC, "master": master, "timeout_s": 2.0, **extra}
+        self.config = {**DYNAMIC, "master": master, "timeout_s": 2.0, **extra}
+        # attach=False: no storage at start (SGLang's runtime attach adds it later)
         common = dict(write_policy="write_through", io_backend="direct",
-                      storage_backend="dynamic", prefetch_threshold=threshold or page_size,
-                      model_name="test/controller", storage_backend_extra_config=config)
+                      storage_backend="dynamic" if attach else None,
+                      prefetch_threshold=threshold or page_size,
+                      model_name=model, storage_backend_extra_config=dict(self.config))
         self.hybrid = hybrid
         if hybrid:   # what the prefill-side UnifiedRadixCache builds (build_kv_only_stack)
             # ``side`` ({PoolName: host pool}) adds hybrid side pools (Mamba state, SWA) to the
@@ -159,20 +162,25 @@ class ControllerRig:
             self.ctl = HiCacheController(allocator, self.host, page_size, None, threading.Event(),
                                          **common)
         self.backend = self.ctl.storage_backend
-        self.log = CallLog(self.backend)
+        self.log = CallLog(self.backend) if attach else None
         self.expected: dict[str, torch.Tensor] = {}      # page hash -> bytes written
         self._rid = 0
 
     # ------------------------------------------------------------- the scheduler's part
 
-    def backup(self, tokens: list[int], seed: int, prefix_hash: Optional[str] = None) -> int:
-        """Fill host pages for ``tokens``, write_storage them with SGLang's page hashes, wait
-        for the backup ack, free the host slots; returns the acked tokens."""
+    def backup(self, tokens: list[int], seed: int, prefix_hash: Optional[str] = None,
+               kv: Optional[torch.Tensor] = None) -> int:
+        """Fill host pages for ``tokens`` (random bytes, or the per-token KV ``kv``: 2, tokens,
+        layers, heads, dim), write_storage them with SGLang's page hashes, wait for the backup
+        ack, free the host slots; returns the acked tokens."""
         ps = self.page_size
         hashes = list(get_hash_str(tokens, prefix_hash, page_size=ps))
         idx = self.host.alloc(len(hashes) * ps)
         assert idx is not None
-        fill_random(self.host, idx, seed)
+        if kv is None:
+            fill_random(self.host, idx, seed)
+        else:
+            write_token_kv(self.host, idx, kv[:, :idx.numel()])
         for h, b in zip(hashes, page_bytes(self.host, idx)):
             self.expected.setdefault(h, b)
         op_id = self.ctl.write_storage(idx, tokens, hash_value=hashes)

@@ -28,7 +28,9 @@ HOOKED = (("sglang.srt.server_args", "ServerArgs", "add_cli_args"),
            "_create_builtin_backend"),
           ("sglang.srt.managers.cache_controller", "HiCacheController", "attach_storage_backend"),
           ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", "HybridCacheController",
-           "should_backup"))
+           "should_backup"),
+          ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", "HybridCacheController",
+           "attach_storage_backend"))
 ENCODER = "sglang.srt.disaggregation.encoder"
 
 

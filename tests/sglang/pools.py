@@ -44,12 +44,17 @@ def mla_host(layout: str, dtype=torch.bfloat16, page_size: int = 16, layers: int
 
 
 def storage_config(master: str, *, model: str = "test/llama", mla: bool = False, tp_rank: int = 0,
-                   tp_size: int = 1, layout: str = "page_first", **extra) -> HiCacheStorageConfig:
-    """What HiCacheController._generate_storage_config builds, for one rank."""
+                   tp_size: int = 1, layout: str = "page_first", tp_lcm_size: int | None = None,
+                   **extra) -> HiCacheStorageConfig:
+    """What HiCacheController._generate_storage_config builds, for one rank (it pops
+    ``tp_lcm_size`` from the extra config into the config, and splits heads as below)."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
-        model_name=model, extra_config={**DYNAMIC, "master": master, "timeout_s": 2.0, **extra})
+        model_name=model, tp_lcm_size=tp_lcm_size,
+        should_split_heads=bool(tp_lcm_size) and not mla and layout == "page_head"
+        and tp_lcm_size > tp_size,
+        extra_config={**DYNAMIC, "master": master, "timeout_s": 2.0, **extra})
 
 
 def make_backend(pool, master: str, *, mla: bool = False, **kw):
@@ -204,3 +209,26 @@ def wait_view_out_of_sync(backend, timeout_s: float = 5.0) -> None:
     while view is not None and any(sp.synced for sp in view.spaces.values()):
         assert time.monotonic() < end, "the residency view did not notice the store went away"
         time.sleep(0.01)
+
+
+def write_token_kv(pool, idx: torch.Tensor, kv: torch.Tensor) -> None:
+    """Per-token KV ``kv`` (2, tokens, layers, heads, dim) into host slots ``idx`` of an MHA
+    pool in ``page_first`` or ``page_head`` layout."""
+    buf, ps = pool.kv_buffer, pool.page_size
+    if pool.layout == "page_first":             # (2, slots, L, H, D)
+        buf[:, idx] = kv
+    elif pool.layout == "page_head":            # (2, pages, H, ps, L, D)
+        # indices split by a slice put their dimension first: (tokens, 2, H, L, D)
+        buf[:, idx // ps, :, idx % ps] = kv.permute(1, 0, 3, 2, 4)
+    else:
+        raise NotImplementedError(f"layout {pool.layout}")
+
+
+def read_token_kv(pool, idx: torch.Tensor) -> torch.Tensor:
+    """The per-token KV (2, tokens, layers, heads, dim) held in host slots ``idx``."""
+    buf, ps = pool.kv_buffer, pool.page_size
+    if pool.layout == "page_first":
+        return buf[:, idx].clone()
+    if pool.layout == "page_head":
+        return buf[:, idx // ps, :, idx % ps].permute(1, 0, 3, 2, 4).clone()
+    raise NotImplementedError(f"layout {pool.layout}")

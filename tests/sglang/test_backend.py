@@ -276,3 +276,34 @@ def test_the_backend_answers_probes_from_its_residency_view(shared_store):
     assert off.client.view is None
     assert off.batch_exists(keys) == 2
     off.close()
+
+
+def test_backups_name_their_chain_and_hot_pages_get_copies(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from hicache_mc import protocol as P
+    from hicache_mc.keys import batch_page_keys
+    from procs import Cluster, request
+    c = Cluster(tmp_path)
+    c.start_master()
+    for n in (1, 2):
+        c.add_node(dram="64MiB")
+        c.wait_nodes(n)
+    try:
+        pool = mha_host("page_first")
+        backend = make_backend(pool, c.master, replicas=2, hot_pages=1)
+        hashes, src = page_hashes(8, pool.page_size), slots(pool, 8)
+        fill_random(pool, src, seed=5)
+        per = pool.page_size * 4
+        # SGLang backs a chain up in calls, each with the page hashes before it (prefix_keys)
+        assert backend.batch_set_v1(hashes[:4], src[:per], HiCacheStorageExtraInfo([])) == [True] * 4
+        assert backend.batch_set_v1(hashes[4:], src[per:], HiCacheStorageExtraInfo(hashes[:4])) == [True] * 4
+        keys = batch_page_keys(backend.spaces[0], hashes, backend.geometry.parts)
+        where = [e[0] for e in request(c.master, P.LocateRequest(keys)).located()]
+        assert len(set(where)) == 1, where          # the whole chain on one node
+        stats = request(c.master, P.StatsRequest()).stats
+        assert stats["copies_placed"] == 2          # the first page's K and V, on the other node
+        c.wait_objects(len(keys) + 2)
+        backend.close()
+    finally:
+        c.stop()

@@ -121,3 +121,36 @@ def test_kv_without_any_state_is_no_hit(rig):
     backup(rig, tokens, hashes, 0, 4)
     assert prefetch(rig, tokens)["hit"] == 0
     assert rig.log.count()["batch_get_v1"] == 0 and rig.log.count()["batch_get_v2"] == 0
+
+
+def test_a_side_pool_refused_at_attach_leaves_sglang_detached(shared_store):
+    """SGLang's hybrid attach registers side pools after its threads started, outside its own
+    rollback: a pool HiCacheMC refuses left the controller attached. The plugin's hook rolls
+    the attach back; a later attach then succeeds."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    from hicache_mc.sglang.plugin import _attach_or_roll_back
+
+    class NoPages:              # a side pool with neither page API: refused, naming it
+        page_size, layout, can_use_write_back_jit = 1, "page_first", False
+
+    rig = ControllerRig(shared_store.master, side={PoolName.INDEXER: NoPages()}, attach=False)
+    ctl, attach = rig.ctl, HybridCacheController.attach_storage_backend
+
+    def attach_all(how, pools=None):
+        how(ctl, "dynamic", PS, "test/controller", dict(rig.config),
+            host_pools=pools or ctl.mem_pool_host.entries)
+    with pytest.raises(ValueError, match="NoPages"):
+        attach_all(attach)
+    assert ctl.enable_storage and ctl.backup_thread.is_alive()     # SGLang alone: half attached
+    ctl.detach_storage_backend()
+
+    with pytest.raises(ValueError, match="NoPages"):
+        attach_all(lambda *a, **kw: _attach_or_roll_back(attach, *a, **kw))
+    assert not ctl.enable_storage and ctl.storage_backend is None
+    assert not any(t.is_alive() for t in (ctl.prefetch_thread, ctl.prefetch_io_aux_thread,
+                                          ctl.prefetch_sync_thread, ctl.backup_thread))
+    attach_all(lambda *a, **kw: _attach_or_roll_back(attach, *a, **kw),     # without that pool
+               [ctl.mem_pool_host.anchor_entry])
+    assert ctl.enable_storage and ctl.storage_backend.client is not None
+    ctl.detach_storage_backend()

@@ -194,3 +194,11 @@ def test_a_kv_transfer_among_the_pools_is_answered_from_the_kv_pages(rig):
     got = rig.backend.batch_exists_v2(rig.keys, [PoolTransfer(PoolName.KV, keys=rig.keys,
                                                               hit_policy=ALL)])
     assert got == result(3, {PoolName.KV: 3}, [1, 2, 3])
+
+
+def test_kv_pages_behind_a_missing_one_are_counted_as_orphans_once(rig):
+    rig.store(PoolName.KV, [1, 3, 4, 6])                   # p2 and p5 missing: p3, p4, p6 orphaned
+    assert rig.query().kv_hit_pages == 1
+    assert rig.backend.orphans.total == 3
+    rig.query()                                             # the same lookup again: no recount
+    assert rig.backend.orphans.total == 3

@@ -116,7 +116,7 @@ def test_deepseek_v4_pools_under_a_logical_anchor(shared_store):
                                                                 PoolName.DEEPSEEK_V4_C128: c128},
                                   mla=True)
     assert backend.logical_anchor
-    assert len(backend.side_pools["deepseek_v4_c128"].geo.parts) == 2   # one object per layer
+    assert len(backend.side_pools["deepseek_v4_c128"].geo.parts) == 1   # its layers: one object
     keys = page_hashes(3, 64)
     src, dst = shuffled_slots(anchor, 3, 1), shuffled_slots(anchor, 3, 2)   # V4 pools share
     for pool in (c4, c128):                                                 # the anchor's slots
@@ -346,19 +346,31 @@ def test_clear_removes_side_pool_objects_too(shared_store):
 
 
 
-def test_v2_batches_show_in_sglangs_storage_metrics(shared_store):
+def test_side_pool_pages_are_counted_apart_from_kv_pages(shared_store):
+    from prometheus_client import REGISTRY
     kv, state = mha_host("page_first"), mamba_host(layout="page_first")
     backend = make_hybrid_backend(shared_store.master, kv, {PoolName.MAMBA: state})
     keys = page_hashes(3, kv.page_size)
-    src, dst = slots(state, 3), shuffled_slots(state, 3, seed=2)
+    kv_src, src, dst = slots(kv, 3), slots(state, 1), shuffled_slots(state, 2, seed=2)
+    fill_random(kv, kv_src, seed=3)
     fill_random(state, src, seed=1)
+    exported = lambda op: REGISTRY.get_sample_value(           # noqa: E731
+        "hicache_mc_sglang_pages_total", {"pool": "mamba", "op": op}) or 0
+    before = exported("backup"), exported("prefetch")
     backend.get_stats()                                     # start afresh
-    assert backend.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=src, keys=keys)]) == \
-        {PoolName.MAMBA: [True] * 3}
+    # a node of 3 KV pages with its trailing state, as SGLang backs it up
+    assert backend.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=kv_src, keys=keys),
+                                 PoolTransfer(PoolName.MAMBA, host_indices=src, keys=keys[-1:])]) \
+        == {PoolName.KV: [True] * 3, PoolName.MAMBA: [True]}
     assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=dst,
-                                              keys=keys[:2] + ["absent"])]) == \
-        {PoolName.MAMBA: [True, True, False]}
-    stats = backend.get_stats()
-    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [2]
+                                              keys=keys[-1:] + ["absent"])]) == \
+        {PoolName.MAMBA: [True, False]}
+    stats = backend.get_stats()                             # SGLang's: KV pages only
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == []
     assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+    traffic = backend.traffic()
+    page = backend.side_pools["mamba"].geo.page_bytes
+    assert (traffic["mamba"].backup_pages, traffic["mamba"].backup_bytes) == (1, page)
+    assert (traffic["mamba"].prefetch_pages, traffic["kv"].backup_pages) == (1, 3)
+    assert (exported("backup") - before[0], exported("prefetch") - before[1]) == (1, 1)
     backend.close()

@@ -82,7 +82,7 @@ def test_sglang_serve_loads_the_plugin(venv):
     assert got["entry_points"] == ["hicache_mc = hicache_mc.sglang.plugin:load (hicache-mc)"]
     assert Path(got["hicache_mc"]).is_relative_to(venv.parent.parent)
     assert got["serve"] == ["hicache_mc", "hicache_mc"] and got["bogus"] == "exit 2"
-    assert len(got["hooked"]) == 4                          # all four hooks were applied
+    assert len(got["hooked"]) == 5                          # all five hooks were applied
     assert got["threshold"] == 64                           # SGLang's key, parsed by SGLang
     assert got["kv"] == ["hicache_mc.sglang.backend.HiCacheMC", master,
                          "_page_get_zero_copy", "_page_set_zero_copy"]

@@ -129,3 +129,36 @@ def test_the_bridge_reads_its_master_and_secret_as_every_command_does(tmp_path, 
     assert config.master == "tcp://127.0.0.1:7399" and config.token == cred.read_text().strip()
     with pytest.raises(SystemExit):     # a secret is never an argument (argv is public)
         parse(["--namespace", "ns@teamA", "--token", "secret"])
+
+
+def test_a_bridge_that_cannot_reach_the_publish_port_names_it(tmp_path, caplog):
+    import logging
+    from rawsock import Forwarder
+    caplog.set_level(logging.INFO)
+    c = Cluster(tmp_path, heartbeat_s=0.2, liveness=3)
+    c.env["HICACHE_MC_MASTER_PUBLISH_BEAT_S"] = "0.2"
+    c.start_master()
+    c.wait_nodes(0)
+    port = free_port()
+    fwd = Forwarder(("127.0.0.2", port), ("127.0.0.1", c.port))     # the master port only
+    bridge = L3EventBridge(f"tcp://127.0.0.2:{port}", NS, f"tcp://127.0.0.1:{free_port()}")
+    thread = threading.Thread(target=bridge.run, daemon=True)
+    thread.start()
+    try:
+        publisher = f"tcp://127.0.0.2:{c.stats()['publish_port']}"
+        end = time.monotonic() + 20
+        while not [r for r in caplog.records if "silent for" in r.getMessage()]:
+            assert time.monotonic() < end, [r.getMessage() for r in caplog.records]
+            time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith(f"cannot reach the master's publish port {publisher} "
+                                "(publish_port): connection refused") for m in said), said
+        silent = next(m for m in said if "silent for" in m)
+        assert f": the master's publish port {publisher}: connection refused" in silent, silent
+        assert not bridge.synced.is_set()
+    finally:
+        bridge.stop()
+        thread.join(5)
+        bridge.close()
+        fwd.close()
+        c.stop()

@@ -1,13 +1,16 @@
 """Two live SGLang servers on CPU (tests/live) with one hicache-mc store as their L3: a prefix
 one server computed reaches the other through the store, byte for byte; the servers keep
 answering when the store dies, and use it again once it is back; hicache-mc's plugin hooks run
-in the scheduler process."""
+in the scheduler process; a router can read their KV events, load reports and metrics."""
 from __future__ import annotations
 
 import threading
 from typing import NamedTuple
 
+import msgspec
 import pytest
+import zmq
+from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
 
 import live
 from procs import Store
@@ -31,7 +34,8 @@ def pair(tiny_model, tmp_path_factory):
     store = Store(tmp_path_factory.mktemp("store")).start()
     try:
         with live.start_servers(tiny_model, store.master, tmp_path_factory.mktemp("servers"),
-                                names=("a", "b")) as (a, b):
+                                names=("a", "b"),
+                                options=live.ServerOptions(kv_events=True, metrics=True)) as (a, b):
             yield Pair(store, a, b)
     finally:
         store.stop()
@@ -82,6 +86,38 @@ def test_plugin_hooks_run_in_the_scheduler(pair):
         assert "hicache_mc: MHA pool, layout page_first_direct" in log, server.log()
         assert "hicache_mc: SGLang's page path: zero-copy" in log, server.log()
         assert "Failed to apply hooks" not in log, server.log()
+
+
+def replayed(server: live.SGLangServer, timeout_s: float = 30.0) -> list:
+    """Every KV event ``server`` still buffers, through its replay endpoint (SGLang's protocol:
+    ``[b"", start seq]`` from a DEALER; batches, then an empty payload)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.kv_events.replay)
+    decode, events = msgspec.msgpack.Decoder(KVEventBatch), []
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while sock.poll(int(timeout_s * 1000)):
+            frames = sock.recv_multipart()
+            if not frames[-1]:
+                return events
+            events += decode.decode(frames[-1]).events
+        raise TimeoutError(f"{server.name}: replay did not end in {timeout_s} s")
+    finally:
+        sock.close()
+
+
+def test_kv_events_and_load_reports(pair):
+    """What a router reads from each server (the Conductor's end-to-end tests use these): the
+    KV events of a request (its pages' tokens in BlockStored), the load report and metrics."""
+    ids = live.prompt_ids(4 * PAGE, seed=4)
+    pair.a.generate(ids, max_new_tokens=2)
+    pages = {tuple(e.token_ids[j:j + e.block_size]) for e in replayed(pair.a)
+             if isinstance(e, BlockStored) for j in range(0, len(e.token_ids), e.block_size)}
+    assert all(tuple(ids[i:i + PAGE]) in pages for i in range(0, len(ids), PAGE))
+    loads = pair.a.loads()["loads"]
+    assert loads and loads[0]["max_total_num_tokens"] > 0, loads
+    assert "sglang:prefill_effective_tokens_total" in pair.a.metrics()
 
 
 class Traffic:

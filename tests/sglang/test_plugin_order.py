@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+# a fresh SGLang import per case: about 35 s each on a busy 2-core machine
+pytestmark = pytest.mark.timeout(600)
 PROBE = Path(__file__).with_name("plugin_order_probe.py")
 ENV = {k: v for k, v in os.environ.items()
        if k != "PYTHONPATH" and not k.startswith("SGLANG_TEST_HICACHE_BACKEND_RANDOM_")}

@@ -13,7 +13,7 @@ import torch
 
 from pools import (fill_random, make_backend, mha_host, page_bytes, page_hashes, slots,
                    wait_view_out_of_sync)
-from procs import free_port
+from procs import Cluster, free_port
 
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 
@@ -152,10 +152,25 @@ def test_a_master_that_does_not_answer_is_a_loud_warning_at_start_not_a_failure(
     backend = make_backend(pool, gone)
     loud = [r for r in caplog.records if "NO L3 CACHE" in r.getMessage()]
     assert len(loud) == 1 and loud[0].levelno == logging.WARNING
-    assert f"tcp://{gone} does not answer" in loud[0].getMessage()
+    assert f"the master at tcp://{gone}: connection refused" in loud[0].getMessage()
     keys = page_hashes(2, pool.page_size)
     assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, slots(pool, 2)) == [False] * 2
     backend.close()
     caplog.clear()
     make_backend(pool, shared_store.master).close()       # a store that answers: nothing loud
     assert not [r for r in caplog.records if "NO L3 CACHE" in r.getMessage()]
+
+
+def test_a_backend_without_the_token_names_it_at_start(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hicache_mc.sglang")
+    c = Cluster(tmp_path, token="backend-token-" + "5a" * 16)
+    c.start_serve("32MiB")
+    try:
+        for token, cause in (("", "it requires a token and this process has none"),
+                             ("another-" + "77" * 16, "it refused this process's token")):
+            caplog.clear()
+            make_backend(mha_host("page_first"), c.master, token=token).close()
+            loud = [r.getMessage() for r in caplog.records if "NO L3 CACHE" in r.getMessage()]
+            assert len(loud) == 1 and f"the master at {c.master}: {cause}" in loud[0], loud
+    finally:
+        c.stop()

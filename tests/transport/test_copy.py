@@ -67,8 +67,8 @@ def test_channel_to_a_port_nobody_listens_on_fails_at_once_and_queues_nothing():
         ch._connect()
         time.sleep(0.3)         # ZeroMQ's own reconnecting is off: one failed attempt, no more
         events = 0
-        while ch._monitor.poll(0):
-            ch._monitor.recv_multipart()
+        while ch.link.events.poll(0):
+            ch.link.events.recv_multipart()
             events += 1
         assert events <= 3
     finally:

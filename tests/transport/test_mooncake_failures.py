@@ -98,6 +98,40 @@ def test_hung_node_bounds_the_te_call_and_the_get(tmp_path):
 
 
 @needs_te
+def test_an_abandoned_transfer_never_writes_into_caller_memory(tmp_path):
+    """An object bigger than the staging buffer (SGLang's flat pages over 64 MiB) moves through
+    a staging buffer of its own. Abandoned at the deadline by a hung node, its transfer finishes
+    into that buffer once the node wakes, and the buffer is freed only then; the caller's memory,
+    which the caller may have freed meanwhile, is never written."""
+    cluster = te_cluster(tmp_path)
+    try:
+        cluster.start_master()
+        node = cluster.add_node("64MiB")
+        cluster.wait_nodes(1)
+        with StoreClient(cluster.master, transport="mooncake", timeout_s=1.0, te_staging="1MiB",
+                         circuit_failures=10_000) as c:
+            put_blobs(c, "late", 24, 2 * MiB)          # random bytes in the node's DRAM
+            info = next(iter(c._nodes.values()))
+            buf = np.zeros(8 * MiB, np.uint8)         # 8 x the staging buffer
+            node.pause()
+            try:
+                with pytest.raises(M.TransferEngineError) as err:
+                    c.te._move(info, True, [(buf.ctypes.data, 0, buf.nbytes)],
+                               time.monotonic() + 0.5)
+                assert err.value.abandoned
+            finally:
+                node.kill(signal.SIGCONT)
+            end = time.monotonic() + 30                # the engine finishes the read, somewhere
+            while c.te.counters.get("late_released", 0) < 1 and not buf.any():
+                assert time.monotonic() < end, "the abandoned transfer never finished"
+                time.sleep(0.01)
+            assert not buf.any(), "the engine wrote into caller memory after the call gave up"
+            assert c.te.counters["late_released"] == 1
+    finally:
+        cluster.stop()
+
+
+@needs_te
 def test_workload_larger_than_dram_reads_back_through_te(tmp_path):
     # 48 MiB through 16 MiB of DRAM: SSD objects are staged back into DRAM under a lease; those
     # DRAM has no room for until the client releases others come in later rounds (LEASE_LATER)

@@ -70,7 +70,7 @@ def test_unregister_buffer_goes_back_to_staging(te_store):
         assert c.te.counters["direct"] == 1
         c.unregister_buffer(src.ctypes.data)
         assert c.batch_get_into(["unreg/a"], [src.ctypes.data], [MiB]) == [True]
-        assert c.te.counters == {"direct": 1, "staged": 1, "one_off": 0}
+        assert c.te.counters == {"direct": 1, "staged": 1, "one_off": 0, "late_released": 0}
         assert c.batch_get_into(["unreg/a"], [dst.ctypes.data], [MiB]) == [True]
         assert np.array_equal(src, dst)
 
