@@ -61,7 +61,8 @@ requests over 2k-token contexts takes 12.6 ms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Tuple
+from functools import cached_property
+from typing import Iterable, NamedTuple, Tuple
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,16 @@ class GpuSpec:
     memory: int                           # bytes
 
 
+class _Rates(NamedTuple):
+    """A PerfModel's figures per unit of work, in seconds."""
+    per_token_s: float        # prefill linear layers, per new token
+    head_s: float             # the LM head, once per request's prefill
+    per_pair_s: float         # prefill attention, per (query, key) pair
+    weights_s: float          # a decode step's weight reads
+    kv_token_s: float         # a decode step's reads, per KV token attended
+    seq_step_s: float         # a decode step's compute, per sequence
+
+
 LLAMA3_8B = ModelShape("Llama-3-8B", layers=32, hidden=4096, q_heads=32, kv_heads=8,
                        head_dim=128, intermediate=14336, vocab=128256)
 H100_SXM = GpuSpec("H100-SXM5-80GB", bf16_flops=989e12, hbm_bw=3.35e12, memory=80 * 10**9)
@@ -140,16 +151,26 @@ class PerfModel:
         """KV bytes of one page of ``page_tokens`` tokens (all layers, one TP rank)."""
         return page_tokens * self.kv_bytes_per_token
 
+    @cached_property
+    def _rates(self) -> "_Rates":
+        # cached: the simulator asks for these hundreds of thousands of times a run
+        m, peak = self.model, self.gpu.bf16_flops
+        return _Rates(per_token_s=2.0 * m.layer_params / (peak * self.gemm_mfu),
+                      head_s=2.0 * m.head_params / (peak * self.gemm_mfu),
+                      per_pair_s=m.attn_flops_per_pair / (peak * self.attn_mfu),
+                      weights_s=(m.layer_params + m.head_params) * m.dtype_bytes
+                      / (self.gpu.hbm_bw * self.hbm_eff),
+                      kv_token_s=m.kv_bytes_per_token / (self.gpu.hbm_bw * self.hbm_eff),
+                      seq_step_s=2.0 * (m.layer_params + m.head_params)
+                      / (self.gpu.bf16_flops * self.decode_mfu))
+
     def prefill_compute_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """The compute of one request's prefill inside a forward, without the overhead."""
         if new_tokens <= 0:
             return 0.0
-        m = self.model
-        linear = 2.0 * (m.layer_params * new_tokens + m.head_params)
-        pairs = new_tokens * (cached_tokens + new_tokens / 2.0)
-        attn = m.attn_flops_per_pair * pairs
-        peak = self.gpu.bf16_flops
-        return linear / (peak * self.gemm_mfu) + attn / (peak * self.attn_mfu)
+        r = self._rates
+        return (new_tokens * r.per_token_s + r.head_s
+                + r.per_pair_s * new_tokens * (cached_tokens + new_tokens / 2.0))
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One request's prefill alone on an idle instance: ``new_tokens`` computed after
@@ -168,12 +189,9 @@ class PerfModel:
         """One decode step of ``batch`` sequences attending over ``kv_tokens`` tokens in all."""
         if batch <= 0:
             return 0.0
-        m = self.model
-        weights = (m.layer_params + m.head_params) * m.dtype_bytes
-        reads = (weights + kv_tokens * m.kv_bytes_per_token) / (self.gpu.hbm_bw * self.hbm_eff)
-        compute = batch * 2.0 * (m.layer_params + m.head_params) / (
-            self.gpu.bf16_flops * self.decode_mfu)
-        return self.step_overhead_s + max(reads, compute)
+        r = self._rates
+        return self.step_overhead_s + max(r.weights_s + kv_tokens * r.kv_token_s,
+                                          batch * r.seq_step_s)
 
     def prefill_tokens_per_s(self, prompt_tokens: int) -> float:
         """Cold prefill throughput at one prompt length (a figure for docs and tests)."""
