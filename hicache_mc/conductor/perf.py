@@ -51,12 +51,15 @@ and ``step_overhead_s`` 0.6 ms put a batch-1 step at 6.2 ms (161 tokens/s, insid
 the margin a CI gate keeps). ``gemm_mfu`` 0.55 and ``attn_mfu`` 0.35 (FlashInfer / FA3 reach
 about that on H100 at these shapes) give a cold 2,048-token prefill 64 ms with the 8 ms
 prefill overhead, inside (b); a decode step of a few requests is ~6.5-7.5 ms, inside (b).
-``tests/conductor/test_fleet_perf.py`` keeps the model inside (a) and (b) and checks the
+``tests/conductor/test_fleet_perf.py`` keeps the model inside (a) and (b) and checks its
 shape (prefill superlinear in prompt length, the cached prefix cheaper than recomputing it,
-decode steps growing with the batch's KV). Derived figures: cold prefill 32.6k tokens/s at 4k
-tokens, 30.4k at 8k, 19.7k at 32k, 8.3k at 126k (attention's share grows with length); 8k new
-tokens after 24k cached take 0.57 s against 1.66 s for the cold 32k; a decode step of 64
-requests over 2k-token contexts takes 12.6 ms.
+decode steps growing with the batch's KV); ``tests/conductor/test_sim.py`` runs (b) and (c)
+on one simulated instance: median TTFT 71 ms, median ITL 7.6 ms, 3,760 output tokens/s.
+
+Derived figures: cold prefill 32.6k tokens/s at 4k tokens, 30.4k at 8k, 19.7k at 32k, 8.3k at
+126k (attention's share grows with length); 8k new tokens after 24k cached take 0.57 s
+against 1.66 s for the cold 32k; a decode step of 64 requests over 2k-token contexts takes
+12.6 ms.
 """
 from __future__ import annotations
 

@@ -1,0 +1,52 @@
+"""Every routing policy the fleet benchmark compares, by name: the baselines of this folder
+and the Conductor's own variants (``hicache_mc.conductor.core.Conductor.variants()``, when
+the core is installed). A factory builds a fresh router for one run from the run's L3 view,
+the performance model and a seed."""
+from __future__ import annotations
+
+from typing import Callable
+
+from hicache_mc.conductor import api
+from hicache_mc.conductor.perf import PerfModel
+
+from .baselines import LeastLoadRouter, LengthCapRouter, RandomRouter, RoundRobinRouter
+from .l3 import L3View
+
+Factory = Callable[[L3View, PerfModel, int], api.Router]
+
+BASELINES: dict[str, Factory] = {
+    "random": lambda view, perf, seed: RandomRouter(seed),
+    "round_robin": lambda view, perf, seed: RoundRobinRouter(),
+    "least_load": lambda view, perf, seed: LeastLoadRouter(),
+    "least_load+cap": lambda view, perf, seed: LengthCapRouter(perf),
+}
+
+
+def core_policies() -> dict[str, Factory]:
+    """The Conductor's variants, or none when the core is not there yet."""
+    try:
+        from hicache_mc.conductor.core import Conductor
+    except ImportError:
+        return {}
+
+    def factory(config):
+        return lambda view, perf, seed: Conductor(l3=view, config=config)
+
+    return {name: factory(config) for name, config in Conductor.variants().items()}
+
+
+def all_policies() -> dict[str, Factory]:
+    return {**BASELINES, **core_policies()}
+
+
+def select(names: str) -> dict[str, Factory]:
+    """``names``: "all", or a comma-separated list of policy names."""
+    known = all_policies()
+    if names == "all":
+        return known
+    chosen = {}
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name not in known:
+            raise SystemExit(f"unknown policy {name!r}; known: {', '.join(known)}")
+        chosen[name] = known[name]
+    return chosen
