@@ -10,6 +10,8 @@ from hicache_mc.conductor import api
 from hicache_mc.conductor.perf import PerfModel
 
 from .baselines import LeastLoadRouter, LengthCapRouter, RandomRouter, RoundRobinRouter
+from .cache_aware import SglangCacheAware
+from .dynamo import DynamoKvRouter
 from .l3 import L3View
 
 Factory = Callable[[L3View, PerfModel, int], api.Router]
@@ -19,7 +21,12 @@ BASELINES: dict[str, Factory] = {
     "round_robin": lambda view, perf, seed: RoundRobinRouter(),
     "least_load": lambda view, perf, seed: LeastLoadRouter(),
     "least_load+cap": lambda view, perf, seed: LengthCapRouter(perf),
+    "cache_aware": lambda view, perf, seed: SglangCacheAware(),
+    "dynamo": lambda view, perf, seed: DynamoKvRouter(view, seed=seed),
 }
+# The baselines that keep a prefix on the instance that has it (the "affinity-style" ones the
+# core must not fall below past the knee).
+AFFINITY = ("cache_aware", "dynamo")
 
 
 def core_policies() -> dict[str, Factory]:

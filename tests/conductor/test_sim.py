@@ -146,8 +146,8 @@ class ReplayView:
         return answer
 
 
-@pytest.mark.parametrize("policy", ["least_load", "least_load+cap", "conductor",
-                                    "conductor-local"])
+@pytest.mark.parametrize("policy", ["least_load", "least_load+cap", "cache_aware", "dynamo",
+                                    "conductor", "conductor-local"])
 def test_router_decisions_follow_from_its_observations_alone(policy):
     """Replaying a run's observations (and its L3 answers) into a fresh router, with no
     simulator behind it, gives the same decisions: the router used nothing else."""
