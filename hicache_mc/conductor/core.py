@@ -85,9 +85,11 @@ class _Sent(NamedTuple):
 
 class _Scored(NamedTuple):
     score: float
-    batch: float
+    batch: float                  # ties: the smaller decode batch, then in turn
     turn: int
-    prediction: Prediction
+    worker: str
+    queue_s: float
+    cost: "_Cost"
 
 
 class Conductor:
@@ -178,7 +180,7 @@ class Conductor:
 
     def predict(self, req: Request, now_s: float) -> list[Prediction]:
         """Every prefill candidate's prediction for ``req``, best score first (no side effect)."""
-        return [s.prediction for s in self._score(req, now_s, 0)]
+        return [_prediction(s) for s in self._score(req, now_s, 0)]
 
     def route(self, req: Request, now_s: float) -> Union[Decision, Rejection]:
         scored = self._score(req, now_s, next(self._turn))
@@ -190,15 +192,15 @@ class Conductor:
         out = self._expected_out(req)
         first = None
         for s in scored[:ADMISSION_CANDIDATES if cfg.admission is not Admission.OFF else 1]:
-            p = s.prediction
+            p = _prediction(s)
             decode = self._decode_place(p, req, now_s, out)
             if decode is None:
                 return Rejection(RejectReason.NO_WORKER, 1.0, p, "no decode worker")
             p = replace(p, tbt_s=decode[1])
-            first = first or (p, decode)
+            first = first or p
             if cfg.admission is Admission.OFF or (p.ttft_s <= ttft_slo and p.tbt_s <= tbt_slo):
-                return self._send(req, now_s, p, decode[0], out)
-        p, _ = first
+                return self._send(req, now_s, s, p, decode[0], out)
+        p = first
         if p.ttft_s > ttft_slo:
             return Rejection(RejectReason.TTFT_SLO, max(0.1, p.ttft_s - ttft_slo), p,
                              f"predicted TTFT {p.ttft_s:.3f}s > {ttft_slo:.3f}s")
@@ -209,12 +211,14 @@ class Conductor:
     def _expected_out(self, req: Request) -> float:
         return min(self.out_tokens, req.max_new_tokens) if req.max_new_tokens else self.out_tokens
 
-    def _send(self, req: Request, now: float, p: Prediction, decode: Optional[str],
+    def _send(self, req: Request, now: float, s: _Scored, p: Prediction, decode: Optional[str],
               out: float) -> Decision:
+        # the GPU's work: the load and the compute (the L3 prefetch runs beside the queue)
+        work = s.cost.load_s + s.cost.prefill_s
         if req.prompt_tokens > 0:
-            self._spt += SPT_EMA * ((p.fetch_s + p.prefill_s) / req.prompt_tokens - self._spt)
+            self._spt += SPT_EMA * (work / req.prompt_tokens - self._spt)
         self._workers[p.worker].load.dispatch(
-            InFlight(req.rid, now, req.prompt_tokens, p.fetch_s + p.prefill_s, out), now)
+            InFlight(req.rid, now, req.prompt_tokens, work, out), now)
         if decode is not None:
             self._workers[decode].load.dispatch(InFlight(req.rid, now, req.prompt_tokens, 0.0, out), now)
         self._sent[req.rid] = _Sent(p.worker, decode, p)
@@ -247,37 +251,59 @@ class Conductor:
             [block_hash(h) for h in req.page_hashes]
         prefixes = self.index.prefixes(blocks)
         l3_pages = self.l3(req.page_hashes) if self.l3 is not None and req.page_hashes else 0
-        n = len(self._workers) or 1
+        n, ww, spt = len(self._workers) or 1, self.config.work_weight, self._spt
+        options: dict = {}                # workers with the same prefix and paths: same options
         out = []
         for w in self._workers.values():
             if w.spec.role is Role.DECODE:
                 continue
-            p = self._predict(w, req, prefixes.get(w.spec.name, _NONE), l3_pages, now)
-            work = p.prefill_s + p.fetch_s
-            out.append(_Scored(p.ttft_s + self.config.work_weight * work,
-                               len(w.load.running), (w.pos - turn) % n, p))
+            pre = prefixes.get(w.spec.name, _NONE)
+            key = (pre, w.paths, w.spec.page_tokens)
+            opts = options.get(key)
+            if opts is None:
+                opts = options[key] = self._options(w, req.prompt_tokens, pre, l3_pages)
+            queue = w.load.queue_s(now, spt)
+            best = min(opts, key=lambda c: max(queue, c.l3_s) + c.load_s + c.prefill_s)
+            work = best.load_s + best.prefill_s
+            ttft = max(queue, best.l3_s) + work
+            out.append(_Scored(ttft + ww * work, len(w.load.running), (w.pos - turn) % n,
+                               w.spec.name, queue, best))
         out.sort()
         return out
 
-    def _predict(self, w: _Worker, req: Request, pre: Prefix, l3_pages: int, now: float) -> Prediction:
-        pt, prompt = w.spec.page_tokens, req.prompt_tokens
+    def _options(self, w: _Worker, prompt: int, pre: Prefix, l3_pages: int) -> list["_Cost"]:
+        """The prefix cut after L1, after L2 and after L3 on ``w``: pull or recompute."""
+        pt = w.spec.page_tokens
         top = max(0, (prompt - 1) // pt)          # SGLang computes at least the last token
         g = min(pre.gpu, top)
         h = min(pre.gpu + pre.host, top) - g
         l3 = max(0, min(l3_pages, top) - g - h)
-        model, overlap, paths = self.prefill_model, self.config.overlap, w.paths
-        best = None
+        predict, overlap, fetch = self.prefill_model.predict, self.config.overlap, w.paths.fetch
+        out = []
         for hp, lp in ((0, 0), (h, 0), (h, l3)) if h or l3 else ((0, 0),):
             cached = (g + hp + lp) * pt
-            pre_s = model.predict(prompt - cached, cached)
-            fetch = paths.fetch_s(hp, lp, pre_s, overlap)
-            if best is None or fetch + pre_s < best[0]:
-                best = (fetch + pre_s, hp, lp, fetch, pre_s)
-        _, hp, lp, fetch, pre_s = best
-        queue = w.load.queue_s(now, self._spt)
-        pages = {t: n for t, n in ((Tier.GPU, g), (Tier.HOST, hp), (Tier.L3, lp)) if n}
-        return Prediction(w.spec.name, queue + fetch + pre_s, queue, fetch, pre_s, pages,
-                          (h - hp) + (l3 - lp))
+            pre_s = predict(prompt - cached, cached)
+            f = fetch(hp, lp, pre_s, overlap)
+            out.append(_Cost(f.l3_s, f.load_s, pre_s, g, hp, lp, (h - hp) + (l3 - lp)))
+        return out
+
+
+class _Cost(NamedTuple):
+    l3_s: float                   # L3 -> L2, under the queue wait
+    load_s: float                 # L2 -> L1 on the critical path
+    prefill_s: float
+    gpu: int                      # pages used from each tier
+    host: int
+    l3: int
+    recompute: int                # pages held somewhere but recomputed
+
+
+def _prediction(s: _Scored) -> Prediction:
+    c = s.cost
+    pages = {t: n for t, n in ((Tier.GPU, c.gpu), (Tier.HOST, c.host), (Tier.L3, c.l3)) if n}
+    fetch = max(0.0, c.l3_s - s.queue_s) + c.load_s      # what the fetch adds to the queue
+    return Prediction(s.worker, s.queue_s + fetch + c.prefill_s, s.queue_s, fetch,
+                      c.prefill_s, pages, c.recompute)
 
 
 _NONE = Prefix(0, 0)

@@ -8,8 +8,9 @@
   ``d0 + d1 * batch + d2 * kv`` (a step reads the weights once, and every request's KV).
 - **Fetch** of cached pages into the GPU: pages x page bytes / the bandwidth of each path
   (``WorkerSpec.host_bw`` for L2 -> L1, ``l3_bw`` for L3 -> L2; an L3 page then also crosses
-  L2 -> L1). Layer-wise loading (SGLang's ``layer_first`` / ``direct`` I/O) can overlap the
-  L2 -> L1 copy with compute; ``fetch_s`` says what stays on the critical path.
+  L2 -> L1). SGLang starts the L3 -> L2 prefetch when the request joins the queue, so that part
+  runs under the queue wait; the L2 -> L1 load comes at admission, before the compute or, with
+  layer-wise loading (``Overlap.HOST``), under it.
 
 Both fits are least squares with exponential forgetting (``FORGET``: the last ~200 requests
 count) and a weak prior that keeps the system well-posed before data arrive and while a feature
@@ -130,26 +131,30 @@ class DecodeModel:
 
 
 class Overlap(enum.Enum):
-    """What of a fetch overlaps the prefill's compute."""
-    NONE = "none"             # fetch, then compute
-    HOST = "host"             # L2 -> L1 runs layer by layer under the compute (SGLang's
-    #                           layer-wise load); L3 -> L2 precedes it
+    """Whether the L2 -> L1 copy overlaps the prefill's compute."""
+    NONE = "none"             # load, then compute
+    HOST = "host"             # layer by layer under the compute (SGLang's layer-wise load)
+
+
+class Fetch(NamedTuple):
+    """Where a fetch's time goes."""
+    l3_s: float               # L3 -> L2: SGLang prefetches while the request waits in queue
+    load_s: float             # L2 -> L1 on the critical path, at the request's admission
 
 
 class Paths(NamedTuple):
-    """One worker's fetch paths: seconds per page from each tier into its GPU."""
+    """One worker's fetch paths: seconds per page from each tier."""
     host_s: float             # L2 -> L1
-    l3_s: float               # L3 -> L2 (an L3 page also pays host_s)
+    l3_s: float               # L3 -> L2 (an L3 page then also pays host_s)
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> "Paths":
         page = spec.page_bytes or spec.page_tokens * DEFAULT_KV_BYTES_PER_TOKEN
         return cls(page / (spec.host_bw or DEFAULT_HOST_BW), page / (spec.l3_bw or DEFAULT_L3_BW))
 
-    def fetch_s(self, host_pages: int, l3_pages: int, prefill_s: float,
-                overlap: Overlap = Overlap.NONE) -> float:
-        """Seconds the fetch adds to the TTFT before (or beyond) the prefill's compute."""
-        h2d = (host_pages + l3_pages) * self.host_s
+    def fetch(self, host_pages: int, l3_pages: int, prefill_s: float,
+              overlap: Overlap = Overlap.NONE) -> Fetch:
+        load = (host_pages + l3_pages) * self.host_s
         if overlap is Overlap.HOST:
-            h2d = max(0.0, h2d - prefill_s)
-        return l3_pages * self.l3_s + h2d
+            load = max(0.0, load - prefill_s)
+        return Fetch(l3_pages * self.l3_s, load)

@@ -79,6 +79,17 @@ def test_recomputing_beats_a_slow_fetch():
     assert p.fetch_s == pytest.approx(0.004) and p.prefill_s == pytest.approx(0.6)
 
 
+def test_the_l3_prefetch_runs_under_the_queue_so_a_queued_worker_pulls():
+    """SGLang prefetches L3 pages into L2 while the request waits: the same slow pool that an
+    idle worker should not use (101 ms a page > 100 ms of compute) is free behind a queue."""
+    c = conductor([spec("a", l3_bw=1e7)], l3=pages(10))
+    c.route(request("busy", prompt=2000, chain=pages(20, "x")), 0.0)      # 2 s queue
+    p = c.predict(request("r"), 0.0)[0]
+    assert p.queue_s == pytest.approx(2.0) and p.pages == {Tier.L3: 9}
+    # 9 x 100 ms of prefetch hide under the 2 s; the 9 ms L2 -> L1 load and 100 tokens remain
+    assert p.fetch_s == pytest.approx(0.009) and p.ttft_s == pytest.approx(2.0 + 0.009 + 0.1)
+
+
 def test_the_ttft_slo_forces_a_rejection_with_tolerance():
     c = conductor([spec("a")], admission=Admission.EARLY, ttft_slo_s=0.5)
     r = c.route(request("r"), 0.0)                      # 1.0 s of prefill > 0.55 s

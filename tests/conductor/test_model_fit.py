@@ -68,9 +68,10 @@ def test_decode_fit_converges():
 def test_fetch_paths_and_their_fallbacks():
     p = Paths.of(WorkerSpec("w", page_tokens=64, page_bytes=8 << 20, host_bw=16e9, l3_bw=4e9))
     page = 8 << 20
-    assert p.fetch_s(2, 3, 1.0) == pytest.approx(5 * page / 16e9 + 3 * page / 4e9)
-    # layer-wise loading hides the L2 -> L1 copy under a longer prefill
-    assert p.fetch_s(2, 3, 1.0, Overlap.HOST) == pytest.approx(3 * page / 4e9)
-    assert p.fetch_s(2, 3, 0.0, Overlap.HOST) == pytest.approx(p.fetch_s(2, 3, 0.0))
+    f = p.fetch(2, 3, 1.0)
+    assert f.l3_s == pytest.approx(3 * page / 4e9) and f.load_s == pytest.approx(5 * page / 16e9)
+    # layer-wise loading hides the L2 -> L1 copy under a longer prefill, not under a short one
+    assert p.fetch(2, 3, 1.0, Overlap.HOST).load_s == 0.0
+    assert p.fetch(2, 3, 0.001, Overlap.HOST).load_s == pytest.approx(f.load_s - 0.001)
     unknown = Paths.of(WorkerSpec("w", page_tokens=64))
     assert unknown.host_s > 0 and unknown.l3_s > unknown.host_s
