@@ -9,10 +9,15 @@ What it does, after SGLang's scheduler with HiCache (defaults on an 80 GB GPU):
 - **Prefill** has priority over decode: whenever requests wait, the next forward is a prefill
   batch of up to ``chunk_tokens`` new tokens (chunked prefill: one request may be split over
   several forwards), admitted while the GPU pool has room for their prompt plus a decode
-  reserve. At admission the prefix is matched again (L1, then L2 pages loaded into L1 at
-  ``host_bw``, after the compute or, with ``overlap_load``, under it as layer-wise loading
-  does). When a request's last chunk is done, its first token is out (TTFT), its pages enter
-  L1 and L2 (write-through) and are backed up to the L3, and it joins the decode batch.
+  reserve. At admission the prefix is matched again: L1, then L2 pages loaded into L1 at
+  ``host_bw`` layer by layer under the compute, as SGLang's HiCache does (each layer waits
+  for its own pages: ``max(compute, load)`` plus one layer's load; ``overlap_load`` off: the
+  load, then the compute). When a request's last chunk is done, its first token is out
+  (TTFT), its pages enter L1 and L2 (write-through) and are backed up to the L3, and it joins
+  the decode batch.
+- **Pages.** Only a prompt's full pages are cached, and a match stops a token short of the
+  prompt (SGLang recomputes at least the last token), so a prompt of ``n`` tokens can reuse
+  at most ``(n - 1) // page_tokens`` pages.
 - **Decode** runs while no prefill can start: one step per token for the whole batch
   (``perf.decode_step_s``). Steps are simulated in runs up to the next request to finish; a
   request that becomes schedulable cuts the run at the next step boundary.
@@ -51,18 +56,24 @@ class InstanceConfig:
     chunk_tokens: int = CHUNKED_PREFILL_TOKENS
     max_running: int = MAX_RUNNING_REQUESTS
     decode_reserve: int = 614         # tokens held back per running request: SGLang's
-    overlap_load: bool = False        # new-token ratio floor-ish (0.3) x 2048 max new tokens
+                                      # new-token ratio floor-ish (0.3) x 2048 max new tokens
+    overlap_load: bool = True         # L2 -> L1 layer by layer under the compute, as SGLang
 
 
 class Job:
     """A request on its instance: what it asked for, how far it got, what it was served from."""
-    __slots__ = ("rid", "chain", "prompt", "output", "arrival", "noise", "eligible", "pf_from",
-                 "pf_n", "done", "load_pages", "gpu", "host", "l3", "compute_s", "first_token",
-                 "generated", "finish", "worker")
+    __slots__ = ("rid", "chain", "usable", "prompt", "output", "arrival", "noise", "eligible",
+                 "pf_from", "pf_n", "done", "load_pages", "gpu", "host", "l3", "compute_s",
+                 "first_token", "generated", "finish", "worker")
 
     def __init__(self, rid: int, chain: tuple, prompt: int, output: int, arrival: float,
-                 noise: float = 1.0):
-        self.rid, self.chain, self.prompt, self.output = rid, chain, prompt, output
+                 noise: float = 1.0, page_tokens: int = 512):
+        # ``chain``: the prompt's full pages (a partial page is never cached); a prefix match
+        # stops a token short of the prompt, so the last full page is usable only if a token
+        # follows it
+        self.rid, self.prompt, self.output = rid, prompt, output
+        self.chain = chain[:prompt // page_tokens]
+        self.usable = (prompt - 1) // page_tokens
         self.arrival, self.noise, self.eligible = arrival, noise, arrival
         self.pf_from = self.pf_n = self.done = self.load_pages = 0
         self.gpu = self.host = self.l3 = 0               # prompt tokens served per tier
@@ -89,6 +100,7 @@ class SimInstance:
         self.kv_tokens = 0             # running requests: prompt + generated
         self.generated_tokens = 0      # running requests: generated (shrinks the L1 cache)
         self.admitted_tokens = 0       # prompts admitted to prefill, not yet running
+        self.waiting_tokens = 0        # prompt tokens of the waiting queue not yet prefilled
         self.outbox: list = []         # api events since the last drain
         self.started: list[Job] = []
         self.finished: list[Job] = []
@@ -102,8 +114,9 @@ class SimInstance:
         local += self.l2.leading(chain, local)
         job.worker = self.index
         self.waiting.append(job)
-        n = self.l3.leading(chain, local, now)
-        if not n:
+        self.waiting_tokens += job.prompt
+        n = min(self.l3.leading(chain, local, now), job.usable - local)
+        if n <= 0:
             return None
         job.pf_from, job.pf_n = local, n
         job.eligible = self.l3.read(chain[local:local + n], now, self.cfg.l3_bw)
@@ -134,9 +147,8 @@ class SimInstance:
         return self._start(now)
 
     def load(self, now: float) -> api.LoadReport:
-        waiting_tokens = sum(j.prompt - j.done for j in self.waiting)
         used = self.kv_tokens + self.admitted_tokens + len(self.l1) * self.cfg.page_tokens
-        return api.LoadReport(self.name, now, len(self.waiting), waiting_tokens,
+        return api.LoadReport(self.name, now, len(self.waiting), self.waiting_tokens,
                               len(self.running), self.kv_tokens,
                               min(1.0, used / self.l1_tokens))
 
@@ -168,6 +180,7 @@ class SimInstance:
                 room -= need
                 self.admitted_tokens += job.prompt
                 self._match(job)
+                self.waiting_tokens -= job.done     # served from the cache, not prefilled
                 load_pages += job.load_pages
             new = min(job.prompt - job.done, budget)
             budget -= new
@@ -178,18 +191,22 @@ class SimInstance:
             return False
         compute += perf.prefill_overhead_s
         load = load_pages * self.page_bytes / cfg.host_bw
+        if cfg.overlap_load:        # each layer waits for its own pages: a pipeline
+            compute = max(compute, load) + load / perf.model.layers
+        else:
+            compute += load
         self.batch = batch
         self.op = PREFILL
-        self._set_end(now + (max(compute, load) if cfg.overlap_load else compute + load))
+        self._set_end(now + compute)
         return True
 
     def _match(self, job: Job) -> None:
         """Admission: the prefix now in L1, then L2 (loaded into L1 for this prefill). The
         loaded pages enter L1, as GPU events, with the computed ones when the prefill ends."""
         chain, pt = job.chain, self.cfg.page_tokens
-        k1 = self.l1.leading(chain)
-        k2 = self.l2.leading(chain, k1)
-        cached = min((k1 + k2) * pt, job.prompt - 1)    # the last token is always computed
+        k1 = min(self.l1.leading(chain), job.usable)
+        k2 = min(self.l2.leading(chain, k1), job.usable - k1)
+        cached = (k1 + k2) * pt
         from_l3 = max(0, min(job.pf_from + job.pf_n, k1 + k2) - max(job.pf_from, k1))
         job.gpu = min(k1 * pt, cached)
         job.l3 = min(from_l3 * pt, cached - job.gpu)
@@ -199,6 +216,7 @@ class SimInstance:
     def _end_prefill(self, now: float) -> None:
         finished_prefill = []
         for job, new, c in self.batch:
+            self.waiting_tokens -= new
             job.done += new
             job.compute_s += c
             if job.done >= job.prompt:
@@ -206,9 +224,8 @@ class SimInstance:
         self.batch = []
         if not finished_prefill:
             return
-        gone = set(map(id, finished_prefill))
-        self.waiting = [j for j in self.waiting if id(j) not in gone]
         for job in finished_prefill:
+            self.waiting.remove(job)        # near the head: FCFS
             self.admitted_tokens -= job.prompt
             job.first_token = now
             self.started.append(job)

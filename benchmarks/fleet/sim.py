@@ -51,7 +51,7 @@ class FleetConfig:
     replay_s: float = 0.5
     load_interval_s: float = 0.5      # /v1/loads poll
     perturb_sigma: float = 0.0        # lognormal timing noise: prediction error
-    overlap_load: bool = False        # L2 -> L1 under the compute (layer-wise loading)
+    overlap_load: bool = True         # L2 -> L1 under the compute, layer by layer (SGLang's)
     ttft_slo_base_s: float = 1.0      # TTFT SLO = base + factor x cold prefill alone
     ttft_slo_factor: float = 3.0
     tbt_slo_s: float = 0.1            # mean time per output token after the first
@@ -164,7 +164,8 @@ class FleetSim:
         if inst is None:
             raise RuntimeError(f"router chose unknown worker {decision.worker!r}")
         noise = self.rng.lognormvariate(0.0, fleet.perturb_sigma) if fleet.perturb_sigma else 1.0
-        job = Job(tr.index, tr.hash_ids, tr.input_tokens, tr.output_tokens, now, noise)
+        job = Job(tr.index, tr.hash_ids, tr.input_tokens, tr.output_tokens, now, noise,
+                  BLOCK_TOKENS)
         self.outstanding += 1
         prefetch_done = inst.arrive(job, now)
         if prefetch_done is not None:

@@ -99,7 +99,9 @@ class Workload:
     def __init__(self, requests: Sequence[TraceRequest]):
         self.requests = list(requests)
         self.names = PageNames()
-        self.page_hashes = [self.names.page_hashes(r.hash_ids) for r in self.requests]
+        # a router sees the prompt's full pages only (SGLang hashes no partial page)
+        self.page_hashes = [self.names.page_hashes(r.hash_ids[:r.input_tokens // BLOCK_TOKENS])
+                            for r in self.requests]
 
     @property
     def distinct_blocks(self) -> int:

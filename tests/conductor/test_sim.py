@@ -56,6 +56,17 @@ def test_second_turn_hits_the_gpu_pool_of_its_instance():
     assert second.first_token - second.arrival == pytest.approx(PERF.prefill_s(1024, 2048))
 
 
+def test_only_full_pages_are_reused_and_the_last_token_is_computed():
+    # the same 4-page prompt twice: the second reuses 3 pages (its last token is computed)
+    sim, _ = run([req(0, 0.0, [1, 2, 3, 4]), req(1, 10.0, [1, 2, 3, 4])],
+                 FleetConfig(instances=1))
+    assert max(sim.served, key=lambda j: j.rid).gpu == 3 * 512
+    # a partial last page (id 3, 276 tokens) is never stored, so never reused
+    sim, _ = run([req(0, 0.0, [1, 2, 3], tokens=1300), req(1, 10.0, [1, 2, 3, 4], tokens=1800)],
+                 FleetConfig(instances=1))
+    assert max(sim.served, key=lambda j: j.rid).gpu == 2 * 512
+
+
 def test_another_instance_pulls_the_prefix_from_the_shared_l3():
     trace = [req(0, 0.0, [1, 2, 3, 4]), req(1, 10.0, [1, 2, 3, 4, 5, 6])]
     rr = lambda view: RoundRobinRouter()  # noqa: E731
@@ -63,9 +74,10 @@ def test_another_instance_pulls_the_prefix_from_the_shared_l3():
     second = max(sim.served, key=lambda j: j.rid)
     assert second.worker == 1 and second.l3 == 4 * 512 and second.gpu == 0
     fetch = 4 * PERF.page_bytes(512) / FleetConfig().l3_path_bw
-    load = 4 * PERF.page_bytes(512) / FleetConfig().host_bw
-    assert second.first_token - second.arrival == pytest.approx(
-        fetch + load + PERF.prefill_s(1024, 2048))
+    load = 4 * PERF.page_bytes(512) / FleetConfig().host_bw      # under the compute, by layer
+    compute = PERF.prefill_s(1024, 2048)
+    assert load < compute
+    assert second.first_token - second.arrival == pytest.approx(fetch + compute + load / 32)
     sim, _ = run(trace, FleetConfig(instances=2), rr)          # no shared L3
     assert max(sim.served, key=lambda j: j.rid).l3 == 0
 
