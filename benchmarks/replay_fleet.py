@@ -136,7 +136,7 @@ def main() -> None:
     reqs, source = load_trace(args)
     wl = workload.Workload(reqs)
     fleet = fleet_config(args, wl.distinct_blocks)
-    names = list(policies.select(args.policies))
+    names = policies.select(args.policies)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.l3_modes]
     print(f"{source}: {len(wl)} requests, {wl.distinct_blocks} distinct blocks, "
           f"ceiling {ceiling(reqs):.3f}; {args.instances} instances, L3 {fleet.l3_pages} pages; "

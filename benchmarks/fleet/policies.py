@@ -1,7 +1,10 @@
 """Every routing policy the fleet benchmark compares, by name: the baselines of this folder
 and the Conductor's own variants (``hicache_mc.conductor.core.Conductor.variants()``, when
 the core is installed). A factory builds a fresh router for one run from the run's L3 view,
-the performance model and a seed."""
+the performance model and a seed.
+
+The admission control takes its slack after an ``@``: ``least_load+cap@1.5`` rejects past
+1.5 x the SLO (plain ``least_load+cap``: 1.0)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -46,14 +49,26 @@ def all_policies() -> dict[str, Factory]:
     return {**BASELINES, **core_policies()}
 
 
-def select(names: str) -> dict[str, Factory]:
+def get(name: str) -> Factory:
+    """The factory of ``name``; KeyError if there is none."""
+    base, _, slack = name.partition("@")
+    if slack and base == "least_load+cap":
+        value = float(slack)
+        return lambda view, perf, seed: LengthCapRouter(perf, slack=value)
+    if slack:
+        raise KeyError(name)
+    return all_policies()[name]
+
+
+def select(names: str) -> list[str]:
     """``names``: "all", or a comma-separated list of policy names."""
-    known = all_policies()
     if names == "all":
-        return known
-    chosen = {}
-    for name in (n.strip() for n in names.split(",") if n.strip()):
-        if name not in known:
-            raise SystemExit(f"unknown policy {name!r}; known: {', '.join(known)}")
-        chosen[name] = known[name]
+        return list(all_policies())
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    for name in chosen:
+        try:
+            get(name)
+        except (KeyError, ValueError):
+            raise SystemExit(f"unknown policy {name!r}; known: {', '.join(all_policies())} "
+                             "(and least_load+cap@<slack>)") from None
     return chosen

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from hicache_mc.conductor.perf import PerfModel
 
-from .policies import all_policies
+from . import policies
 from .sim import FleetConfig, FleetSim
 from .workload import Workload
 
@@ -47,7 +47,7 @@ _WORKLOAD: Optional[Workload] = None
 def run_point(point: Point, fleet: FleetConfig, seed: int, perf: PerfModel,
               workload: Optional[Workload] = None) -> dict:
     workload = workload or _WORKLOAD
-    factory = all_policies()[point.policy]
+    factory = policies.get(point.policy)
     shape = fleet if point.l3 else fleet.without_l3()
     t0 = time.process_time()
     result = FleetSim(workload, shape, lambda view: factory(view, perf, seed), load=point.load,
@@ -88,12 +88,12 @@ def find_knee(workload: Workload, fleet: FleetConfig, seed: int, perf: PerfModel
     return Knee(round(knee, 4), dict(sorted(probes.items())))
 
 
-def sweep(workload: Workload, fleet: FleetConfig, policies: Sequence[str],
+def sweep(workload: Workload, fleet: FleetConfig, names: Sequence[str],
           loads: Sequence[float], l3_modes: Sequence[bool], seed: int, perf: PerfModel,
           jobs: int = 1, progress=print) -> list[dict]:
     """One run per (policy, L3 mode, load); rows in that order."""
     global _WORKLOAD
-    points = [Point(p, l3, load) for p in policies for l3 in l3_modes for load in loads]
+    points = [Point(p, l3, load) for p in names for l3 in l3_modes for load in loads]
     if jobs <= 1:
         rows = []
         for pt in points:

@@ -186,3 +186,11 @@ def test_dynamo_removed_blocks_lose_their_credit():
     stored(r, "w1", api.Tier.GPU, [1, 2, 3])
     r.observe_events([api.BlocksRemoved("w1", api.Tier.GPU, [block_hash(page(3))])])
     assert r.credit("w1", [block_hash(page(p)) for p in (1, 2, 3)], 0) == 2.0
+
+
+def test_the_control_takes_its_slack_by_name():
+    from fleet import policies
+    assert policies.get("least_load+cap@1.5")(None, PerfModel(), 0).slack == 1.5
+    assert policies.get("least_load+cap")(None, PerfModel(), 0).slack == 1.0
+    with pytest.raises(KeyError):
+        policies.get("dynamo@2")
