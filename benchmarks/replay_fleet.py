@@ -56,8 +56,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--perturb", type=float, default=0.0, help="lognormal sigma of timing noise")
     ap.add_argument("--no-overlap-load", dest="overlap_load", action="store_false",
                     help="host -> GPU loads before the compute, not layer by layer under it")
+    ap.add_argument("--ttft-slo", default="0.5,2.0",
+                    help="BASE,FACTOR: TTFT SLO = BASE s + FACTOR x the prompt's cold prefill")
+    ap.add_argument("--tbt-slo", type=float, default=0.1, help="s per output token")
     ap.add_argument("--event-delay", type=float, default=0.05)
     ap.add_argument("--event-loss", type=float, default=0.0)
+    ap.add_argument("--no-spread", dest="spread", action="store_false",
+                    help="replay each timestamp's requests at one instant (see workload.spread)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=sweep.default_jobs())
     ap.add_argument("--out", help="results name (fleet_<out>.json); default: the trace's")
@@ -93,7 +98,10 @@ def fleet_config(args, distinct: int) -> FleetConfig:
                        host_bw=args.host_bw * GB, l3_pages=int(args.l3 * distinct),
                        l3_bandwidth=args.l3_bw * GB, l3_path_bw=args.path_bw * GB,
                        event_delay_s=args.event_delay, event_loss=args.event_loss,
-                       perturb_sigma=args.perturb, overlap_load=args.overlap_load)
+                       perturb_sigma=args.perturb, overlap_load=args.overlap_load,
+                       ttft_slo_base_s=float(args.ttft_slo.split(",")[0]),
+                       ttft_slo_factor=float(args.ttft_slo.split(",")[1]),
+                       tbt_slo_s=args.tbt_slo)
 
 
 def loads_to_run(args, wl, fleet, perf) -> tuple:
@@ -134,6 +142,8 @@ def main() -> None:
     args = parse()
     perf = PerfModel()
     reqs, source = load_trace(args)
+    if args.spread:
+        reqs = workload.spread(reqs, args.seed)
     wl = workload.Workload(reqs)
     fleet = fleet_config(args, wl.distinct_blocks)
     names = policies.select(args.policies)
@@ -152,6 +162,7 @@ def main() -> None:
                         "agents" if args.trace == "agents" else
                         os.path.basename(args.trace).split(".")[0])
     doc = {"command": " ".join(sys.argv), "trace": {"source": source, "requests": len(wl),
+           "spread": args.spread,
            "distinct_blocks": wl.distinct_blocks, "ceiling": round(ceiling(reqs), 4)},
            "fleet": asdict(fleet), "perf": asdict(perf), "seed": args.seed,
            "knee": {"load": knee, "policy": sweep.KNEE_POLICY,

@@ -52,8 +52,8 @@ class FleetConfig:
     load_interval_s: float = 0.5      # /v1/loads poll
     perturb_sigma: float = 0.0        # lognormal timing noise: prediction error
     overlap_load: bool = True         # L2 -> L1 under the compute, layer by layer (SGLang's)
-    ttft_slo_base_s: float = 1.0      # TTFT SLO = base + factor x cold prefill alone
-    ttft_slo_factor: float = 3.0
+    ttft_slo_base_s: float = 0.5      # TTFT SLO = base + factor x cold prefill alone
+    ttft_slo_factor: float = 2.0
     tbt_slo_s: float = 0.1            # mean time per output token after the first
     max_new_tokens: int = 2048        # the client's bound the router sees
 
@@ -62,8 +62,9 @@ class FleetConfig:
 
 
 def ttft_slo(perf: PerfModel, fleet: FleetConfig, prompt_tokens: int) -> float:
-    """1 s of headroom for anyone, plus 3x what a cold prefill of this prompt costs on an idle
-    instance: a fixed TTFT SLO cannot fit prompts from 500 to 126k tokens."""
+    """Twice what a cold prefill of this prompt costs on an idle instance, plus half a second
+    (network, tokenization, a short queue): 0.6 s for 1k tokens, 1.3 s for 12k, 22 s for
+    100k. A fixed TTFT SLO cannot fit prompts from 500 to 126k tokens."""
     return fleet.ttft_slo_base_s + fleet.ttft_slo_factor * perf.prefill_s(prompt_tokens)
 
 

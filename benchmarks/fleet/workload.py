@@ -12,6 +12,7 @@ import hashlib
 import json
 import lzma
 import os
+import random
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -46,6 +47,27 @@ def load(path: str = CONVERSATION, limit: Optional[int] = None) -> list[TraceReq
                                      max(1, int(d["output_length"])), tuple(d["hash_ids"])))
     rows.sort(key=lambda r: r.timestamp_s)
     return [r._replace(index=i) for i, r in enumerate(rows)]
+
+
+def spread(reqs: Sequence[TraceRequest], seed: int = 0) -> list[TraceRequest]:
+    """Each timestamp's requests at uniformly random times (sorted, seeded) up to the next
+    timestamp, in the trace's order: a Poisson process given each bucket's count.
+
+    The conversation trace's timestamps come in 3 s buckets (every request shares its
+    timestamp with 9-27 others); replayed as they are, each bucket is a burst arriving at one
+    instant, at any load. Real arrivals are not synchronized to 3 s."""
+    rng = random.Random(seed)
+    out, i, n = [], 0, len(reqs)
+    while i < n:
+        j = i
+        while j < n and reqs[j].timestamp_s == reqs[i].timestamp_s:
+            j += 1
+        t0 = reqs[i].timestamp_s
+        gap = (reqs[j].timestamp_s - t0) if j < n else (t0 - reqs[i - 1].timestamp_s if i else 0.0)
+        times = sorted(t0 + gap * rng.random() for _ in range(j - i)) if j - i > 1 else [t0]
+        out.extend(r._replace(timestamp_s=t) for r, t in zip(reqs[i:j], times))
+        i = j
+    return out
 
 
 def write(path: str, reqs: Iterable[TraceRequest]) -> None:

@@ -19,7 +19,7 @@ PERF = PerfModel()
 
 
 def test_tiny_sweep_end_to_end(tmp_path):
-    wl = Workload(workload.load(limit=250))
+    wl = Workload(workload.spread(workload.load(limit=250)))
     fleet = FleetConfig(instances=4, l3_pages=wl.distinct_blocks // 2)
     knee = sweep.find_knee(wl, fleet, seed=0, perf=PERF, iters=3)
     below = [a for load, a in knee.probes.items() if load < knee.load]
@@ -73,3 +73,16 @@ def test_agent_workload_shares_system_prompts_and_grows_sessions(tmp_path):
     back = workload.load(str(path))
     assert [(r.input_tokens, r.output_tokens, r.hash_ids) for r in back] == \
         [(r.input_tokens, r.output_tokens, r.hash_ids) for r in reqs]
+
+
+def test_spread_keeps_each_bucket_in_place_and_the_order():
+    raw = workload.load(limit=300)
+    spread = workload.spread(raw, seed=3)
+    assert spread == workload.spread(raw, seed=3) != workload.spread(raw, seed=4)
+    assert [r.index for r in spread] == [r.index for r in raw]
+    times = [r.timestamp_s for r in spread]
+    assert times == sorted(times) and len(set(times)) > len({r.timestamp_s for r in raw})
+    bounds = sorted({r.timestamp_s for r in raw})
+    for a, b in zip(raw, spread):
+        nxt = next((t for t in bounds if t > a.timestamp_s), None)
+        assert a.timestamp_s <= b.timestamp_s and (nxt is None or b.timestamp_s < nxt)
