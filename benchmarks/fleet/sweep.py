@@ -24,7 +24,8 @@ from .workload import Workload
 
 KNEE_POLICY = "least_load"
 KNEE_ATTAINMENT = 0.9
-LOAD_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)     # x the knee
+# x the knee; 1.1 because with smooth arrivals the fleet saturates not far past the knee
+LOAD_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5, 2.0)
 
 
 @dataclass(frozen=True)
