@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
 from operator import and_, neg
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from .api import BlocksRemoved, BlocksStored, Cleared, Event, StreamHealth, Tier
 
@@ -239,17 +239,8 @@ class BlockIndex:
             self._touches.append((block_hashes, n - 1))
         gpu: dict[int, int] = {}
         any_: dict[int, int] = {}
-        i = 0
-        while i < n:
-            value = runs[i]
-            j = bisect_right(runs, -value, lo=i, key=neg)    # the end of this value's run
-            lost = value & ~runs[j] if j < n else value
-            while lost:
-                low = lost & -lost
-                b = low.bit_length() - 1
-                (gpu if b % 3 == 0 else any_)[b // 3] = j - 1
-                lost ^= low
-            i = j
+        for bit, pages in survivals(runs):
+            (gpu if bit % 3 == 0 else any_)[bit // 3] = pages
         name = self._name
         return {name[s]: Prefix(gpu.get(s, 0), pages - gpu.get(s, 0))
                 for s, pages in any_.items() if pages}
@@ -270,6 +261,22 @@ class BlockIndex:
         sample = [(k, v) for _, (k, v) in zip(range(64), self._table.items())]
         per = sum(sys.getsizeof(k) + _int_bytes(v) for k, v in sample) / len(sample)
         return IndexMemory(n, int(sys.getsizeof(self._table) + n * per), self._next)
+
+
+def survivals(runs: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """(bit, blocks it survived) for every bit of ``runs[0]``, where ``runs[i]`` is the AND of
+    ``runs[0]`` and the first ``i`` blocks' masks: a non-increasing sequence of ints, so each
+    distinct value's run ends where bisection finds a smaller one."""
+    i, n = 0, len(runs)
+    while i < n:
+        value = runs[i]
+        j = bisect_right(runs, -value, lo=i, key=neg)
+        lost = value & ~runs[j] if j < n else value
+        while lost:
+            low = lost & -lost
+            yield low.bit_length() - 1, j - 1
+            lost ^= low
+        i = j
 
 
 def _int_bytes(v: int) -> int:
