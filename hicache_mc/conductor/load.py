@@ -12,12 +12,20 @@
   this router did not send (its running count and KV tokens beyond the router's own at that
   moment). ``decode_at`` predicts the batch a request will meet when its prefill ends: the
   running requests whose expected end is later, the queued ones that start before it.
+- **KV room.** A request starts its prefill only when the GPU pool has room for it: a worker
+  with long prompts in its decode batch is bound by memory, not compute, and its queue waits
+  for decodes to end. Each request in flight is counted at its prompt plus its expected output
+  (SGLang reserves room for the output to come); ``room_wait_s`` is when the running requests'
+  predicted ends (first token + expected output x TBT) free enough for the queue and the new
+  request. The pool's size is ``WorkerSpec.l1_pages`` (0: unknown, no memory bound).
 - **Fallbacks.** No report, or one older than ``stale_s``: the router's own count alone. A
   request whose ``Started`` and ``Finished`` never come is dropped after ``LOST_AFTER_S``.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple, Optional
 
 from .api import LoadReport
@@ -49,8 +57,11 @@ class DecodeLoad(NamedTuple):
 class WorkerLoad:
     """See the module docstring."""
 
-    def __init__(self, stale_s: float = REPORT_STALE_S):
+    def __init__(self, stale_s: float = REPORT_STALE_S, capacity_tokens: int = 0):
         self.stale_s = stale_s
+        self.capacity = capacity_tokens              # the GPU pool, tokens (0: unknown)
+        self._held = 0.0                             # prompt + expected output, in flight
+        self._ends: Optional[tuple[list, list]] = None   # release schedule, until a change
         self.busy_until = 0.0
         self.unstarted: dict[str, InFlight] = {}     # in the order they were sent
         self.running: dict[str, InFlight] = {}
@@ -65,6 +76,7 @@ class WorkerLoad:
 
     def dispatch(self, r: InFlight, now: float) -> None:
         self.unstarted[r.rid] = r
+        self._held += r.prompt_tokens + r.out_tokens
         self._unstarted_work += r.work_s
         self._since_report_work += r.work_s
         self.busy_until = max(self.busy_until, now) + r.work_s
@@ -81,17 +93,21 @@ class WorkerLoad:
         r.started_s, r.batch_at_start, r.kv_at_start = at_s, decode.batch, decode.kv_tokens
         self.running[rid] = r
         self._running_kv += r.prompt_tokens + r.out_tokens / 2
+        self._ends = None
         return r
 
     def finished(self, rid: str) -> Optional[InFlight]:
         r = self.running.pop(rid, None)
         if r is not None:
             self._running_kv -= r.prompt_tokens + r.out_tokens / 2
-            return r
-        r = self.unstarted.pop(rid, None)
-        if r is not None:                            # ended before its first token
-            self._forget_unstarted(r)
-            self.busy_until -= r.work_s
+            self._ends = None
+        else:
+            r = self.unstarted.pop(rid, None)
+            if r is not None:                        # ended before its first token
+                self._forget_unstarted(r)
+                self.busy_until -= r.work_s
+        if r is not None:
+            self._held -= r.prompt_tokens + r.out_tokens
         return r
 
     def _forget_unstarted(self, r: InFlight) -> None:
@@ -135,6 +151,30 @@ class WorkerLoad:
             reported = rep.waiting_tokens * (self.spt or fleet_spt) - (now - rep.at_s)
             own = max(own, max(0.0, reported) + self._since_report_work)
         return max(0.0, own)
+
+    def room_wait_s(self, now: float, need_tokens: float, tbt_s: float) -> float:
+        """How long until the pool has room for the queue and ``need_tokens`` more: when the
+        running requests expected to end first have freed enough."""
+        deficit = self._held + need_tokens - self.capacity
+        if not self.capacity or deficit <= 0 or not self.running:
+            return 0.0
+        if self._ends is None:
+            ends = sorted((self._end(r, now, tbt_s), r.prompt_tokens + r.out_tokens)
+                          for r in self.running.values())
+            self._ends = ([e for e, _ in ends], list(accumulate(k for _, k in ends)))
+        times, freed = self._ends
+        i = bisect_left(freed, deficit)
+        if i < len(times):
+            return max(0.0, times[i] - now)
+        # more than the whole batch: the queued requests must end too, at the batch's pace
+        span = max(times[-1] - now, tbt_s)
+        return span * deficit / freed[-1]
+
+    @staticmethod
+    def _end(r: InFlight, now: float, tbt_s: float) -> float:
+        end = r.started_s + r.out_tokens * tbt_s
+        # past its expected end it runs on: say half an expected output more
+        return end if end > now else now + r.out_tokens * tbt_s / 2
 
     def decode(self, now: float) -> DecodeLoad:
         """The decode batch here now."""
