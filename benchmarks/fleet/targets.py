@@ -14,6 +14,8 @@ of the knee, ``value`` the measured ratio (or ordering), ``met`` whether it reac
 - ``admission``: prediction-based rejection against the length-cap control past the knee:
   more goodput (ratio > 1) and fewer rejections.
 - ``pool_share``: each policy's goodput with the shared L3 over without.
+- ``without_pool``: without the shared L3, the core's goodput over each routing baseline's
+  (the issue's guide: 1.2-1.4x), target 1.2 over the best of them.
 - ``paper_ordering``: mean TTFT random > least-load > local cache-aware > the core (the
   paper's random > load balancing > local cache-aware > global cache-aware), with the shared
   L3 (the paper's global pool; without it the core knows no more than the local variant).
@@ -66,6 +68,15 @@ def evaluate(rows: list) -> dict:
                                met=p["goodput"] > c["goodput"] and p["rejected"] < c["rejected"])
                 entry.update(rejected=p["rejected"], control_rejected=c["rejected"])
                 out["admission"].append(entry)
+    if CORE in policies and False in modes:
+        routing = [p for p in ROUTING if p in policies]
+        out["without_pool"] = []
+        for x in xs:
+            entry = _entry(x, False, _ratio(good(CORE, False, x),
+                                            max(good(p, False, x) for p in routing)), 1.2)
+            entry["over"] = {p: round(_ratio(good(CORE, False, x), good(p, False, x)), 4)
+                             for p in routing}
+            out["without_pool"].append(entry)
     if len(modes) == 2:
         out["pool_share"] = {p: {str(x): round(_ratio(good(p, True, x), good(p, False, x)), 4)
                                  for x in xs} for p in sorted(policies)}
