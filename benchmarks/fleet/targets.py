@@ -38,54 +38,81 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (float("inf") if a > 0 else 1.0)
 
 
-def evaluate(rows: list) -> dict:
-    at = {(r["policy"], r["l3"], r["x"]): r for r in rows}
-    xs = sorted({r["x"] for r in rows})
-    modes = sorted({r["l3"] for r in rows}, reverse=True)
-    policies = {r["policy"] for r in rows}
-    good = lambda p, l3, x: at[(p, l3, x)]["goodput"]  # noqa: E731
+class _Sweep:
+    """A sweep's rows, by (policy, L3, x)."""
+
+    def __init__(self, rows: list):
+        self.at = {(r["policy"], r["l3"], r["x"]): r for r in rows}
+        self.xs = sorted({r["x"] for r in rows})
+        self.modes = sorted({r["l3"] for r in rows}, reverse=True)
+        self.policies = {r["policy"] for r in rows}
+
+    def good(self, policy: str, l3: bool, x: float) -> float:
+        return self.at[(policy, l3, x)]["goodput"]
+
+    def best(self, names, l3: bool, x: float) -> float:
+        return max(self.good(p, l3, x) for p in names)
+
+    def present(self, names) -> list:
+        return [p for p in names if p in self.policies]
+
+
+def _routing(s: _Sweep) -> dict:
     out: dict = {}
-    if CORE in policies:
-        for name, base, target in (("routing_vs_cache_aware", "cache_aware", 1.25),
-                                   ("routing_vs_dynamo", "dynamo", 1.1)):
-            if base in policies and True in modes:
-                out[name] = [_entry(x, True, _ratio(good(CORE, True, x), good(base, True, x)),
-                                    target) for x in xs if x >= 1.0]
-        routing = [p for p in ROUTING if p in policies]
-        affinity = [p for p in AFFINITY if p in policies]
+    for name, base, target in (("routing_vs_cache_aware", "cache_aware", 1.25),
+                               ("routing_vs_dynamo", "dynamo", 1.1)):
+        if base in s.policies and True in s.modes:
+            out[name] = [_entry(x, True, _ratio(s.good(CORE, True, x), s.good(base, True, x)),
+                                target) for x in s.xs if x >= 1.0]
+    routing, affinity = s.present(ROUTING), s.present(AFFINITY)
+    if routing:
         out["below_knee"] = [
-            _entry(x, l3, _ratio(good(CORE, l3, x), max(good(p, l3, x) for p in routing)), 0.98)
-            for l3 in modes for x in xs if x <= 1.0 and routing]
+            _entry(x, l3, _ratio(s.good(CORE, l3, x), s.best(routing, l3, x)), 0.98)
+            for l3 in s.modes for x in s.xs if x <= 1.0]
+    if affinity:
         out["past_knee"] = [
-            _entry(x, l3, _ratio(good(CORE, l3, x), max(good(p, l3, x) for p in affinity)), 1.0)
-            for l3 in modes for x in xs if x > 1.0 and affinity]
-    if PREDICTIVE in policies and CONTROL in policies:
-        out["admission"] = []
-        for l3 in modes:
-            for x in (x for x in xs if x > 1.0):
-                p, c = at[(PREDICTIVE, l3, x)], at[(CONTROL, l3, x)]
-                entry = _entry(x, l3, _ratio(p["goodput"], c["goodput"]), 1.0,
-                               met=p["goodput"] > c["goodput"] and p["rejected"] < c["rejected"])
-                entry.update(rejected=p["rejected"], control_rejected=c["rejected"])
-                out["admission"].append(entry)
-    if CORE in policies and False in modes:
-        routing = [p for p in ROUTING if p in policies]
+            _entry(x, l3, _ratio(s.good(CORE, l3, x), s.best(affinity, l3, x)), 1.0)
+            for l3 in s.modes for x in s.xs if x > 1.0]
+    if routing and False in s.modes:
         out["without_pool"] = []
-        for x in xs:
-            entry = _entry(x, False, _ratio(good(CORE, False, x),
-                                            max(good(p, False, x) for p in routing)), 1.2)
-            entry["over"] = {p: round(_ratio(good(CORE, False, x), good(p, False, x)), 4)
+        for x in s.xs:
+            entry = _entry(x, False, _ratio(s.good(CORE, False, x), s.best(routing, False, x)),
+                           1.2)
+            entry["over"] = {p: round(_ratio(s.good(CORE, False, x), s.good(p, False, x)), 4)
                              for p in routing}
             out["without_pool"].append(entry)
-    if len(modes) == 2:
-        out["pool_share"] = {p: {str(x): round(_ratio(good(p, True, x), good(p, False, x)), 4)
-                                 for x in xs} for p in sorted(policies)}
-    if all(p in policies for p in ORDER):
-        out["paper_ordering"] = []
-        for l3 in (m for m in modes if m):
-            for x in xs:
-                ttft = [at[(p, l3, x)]["ttft_mean"] for p in ORDER]
-                held = all(a > b for a, b in zip(ttft, ttft[1:]))
-                out["paper_ordering"].append({"x": x, "l3": l3, "ttft_mean": dict(
-                    zip(ORDER, (round(t, 3) for t in ttft))), "met": held})
+    return out
+
+
+def _admission(s: _Sweep) -> list:
+    out = []
+    for l3 in s.modes:
+        for x in (x for x in s.xs if x > 1.0):
+            p, c = s.at[(PREDICTIVE, l3, x)], s.at[(CONTROL, l3, x)]
+            entry = _entry(x, l3, _ratio(p["goodput"], c["goodput"]), 1.0,
+                           met=p["goodput"] > c["goodput"] and p["rejected"] < c["rejected"])
+            entry.update(rejected=p["rejected"], control_rejected=c["rejected"])
+            out.append(entry)
+    return out
+
+
+def _ordering(s: _Sweep) -> list:
+    out = []
+    for x in s.xs:
+        ttft = [s.at[(p, True, x)]["ttft_mean"] for p in ORDER]
+        out.append({"x": x, "l3": True, "met": all(a > b for a, b in zip(ttft, ttft[1:])),
+                    "ttft_mean": dict(zip(ORDER, (round(t, 3) for t in ttft)))})
+    return out
+
+
+def evaluate(rows: list) -> dict:
+    s = _Sweep(rows)
+    out: dict = _routing(s) if CORE in s.policies else {}
+    if PREDICTIVE in s.policies and CONTROL in s.policies:
+        out["admission"] = _admission(s)
+    if len(s.modes) == 2:
+        out["pool_share"] = {p: {str(x): round(_ratio(s.good(p, True, x), s.good(p, False, x)), 4)
+                                 for x in s.xs} for p in sorted(s.policies)}
+    if all(p in s.policies for p in ORDER) and True in s.modes:
+        out["paper_ordering"] = _ordering(s)
     return out

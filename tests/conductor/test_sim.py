@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from fleet import workload  # noqa: E402
-from fleet.baselines import LeastLoadRouter, RoundRobinRouter, decision  # noqa: E402
+from fleet.baselines import LeastLoadRouter, RoundRobinRouter  # noqa: E402
 from fleet.sim import FleetConfig, FleetSim  # noqa: E402
 from fleet.workload import TraceRequest, Workload  # noqa: E402
 from hicache_mc.conductor import api  # noqa: E402
