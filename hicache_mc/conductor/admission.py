@@ -15,12 +15,15 @@
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import NamedTuple, Optional, Sequence
 
 from .api import Prediction, RejectReason, Rejection, Request
 
 REJECTED_MEMORY = 65_536      # pages of rejected prompts remembered (8 B of key + ~100 B each)
+ERRORS_KEPT = 512             # recent (actual + c) / (predicted + c) TTFT ratios
+ERROR_FLOOR_S = 0.1           # c: a 10 ms prediction that took 50 ms is not a 5x error
+ERRORS_REFRESH = 64           # re-read the quantile every this many samples
 
 
 class Admission(enum.Enum):
@@ -32,20 +35,38 @@ class Admission(enum.Enum):
 class Limits(NamedTuple):
     ttft_s: float
     tbt_s: float
+    error: float = 1.0            # the predicted TTFT is judged as (ttft + c) x error - c
 
     def met(self, p: Prediction) -> bool:
-        return p.ttft_s <= self.ttft_s and p.tbt_s <= self.tbt_s
+        ttft = (p.ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S
+        return ttft <= self.ttft_s and p.tbt_s <= self.tbt_s
 
 
 class Gate:
     """See the module docstring."""
 
     def __init__(self, mode: Admission, tolerance: float, cascade_tolerance: float,
-                 ttft_slo_s: float, tbt_slo_s: float, memory: int = REJECTED_MEMORY):
+                 ttft_slo_s: float, tbt_slo_s: float, memory: int = REJECTED_MEMORY,
+                 quantile: float = 0.0):
         self.mode, self.tolerance, self.cascade_tolerance = mode, tolerance, cascade_tolerance
         self.ttft_slo_s, self.tbt_slo_s, self.memory = ttft_slo_s, tbt_slo_s, memory
+        self.quantile = quantile
         self._rejected: OrderedDict[int, None] = OrderedDict()
+        self._errors: deque = deque(maxlen=ERRORS_KEPT)
+        self._new_errors = 0
+        self.error = 1.0
         self.cascades_admitted = 0
+
+    def observe(self, predicted_ttft_s: float, actual_ttft_s: float) -> None:
+        """An admitted request's TTFT, against its prediction."""
+        if not self.quantile:
+            return
+        self._errors.append((actual_ttft_s + ERROR_FLOOR_S) / (predicted_ttft_s + ERROR_FLOOR_S))
+        self._new_errors += 1
+        if self._new_errors >= ERRORS_REFRESH:
+            self._new_errors = 0
+            ranked = sorted(self._errors)
+            self.error = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
 
     @property
     def open(self) -> bool:
@@ -53,7 +74,8 @@ class Gate:
 
     def limits(self, req: Request, tolerance: Optional[float] = None) -> Limits:
         k = 1 + (self.tolerance if tolerance is None else tolerance)
-        return Limits((req.ttft_slo_s or self.ttft_slo_s) * k, (req.tbt_slo_s or self.tbt_slo_s) * k)
+        return Limits((req.ttft_slo_s or self.ttft_slo_s) * k, (req.tbt_slo_s or self.tbt_slo_s) * k,
+                      self.error)
 
     def continued(self, blocks: Sequence[int]) -> Optional[int]:
         """The remembered page of a rejected prompt that ``blocks`` continues, if any."""
