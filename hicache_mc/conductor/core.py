@@ -3,26 +3,29 @@
 Per request, for every prefill-capable worker ``w`` (one pass over the chain for all of them,
 index.py):
 
-    TTFT(w) = queue(w) + fetch(w) + prefill(w)
+    TTFT(w) = max(queue(w), l3_fetch(w)) + load(w) + prefill(w)
 
-- ``queue``: load.py (the last load report plus what this router sent since);
+- ``queue``: load.py (the last load report plus what this router sent since; the wait for
+  room in the GPU pool), scaled by what queued requests measured against their prediction;
 - the prefix ``w`` can use: its L1 pages, then its L2 pages, then the pages the shared L3
   holds beyond those (the residency view: one lookup per request, shared by all workers);
+  pages this router sent to ``w`` in requests not yet reported count as L1 (pending.py);
 - pull or recompute, per worker and tier: the TTFT with the prefix cut after L1, after L2
   and after L3, the lowest kept (with prefill concave in the cached length and fetch linear
   in it, one of these cuts is the optimum);
-- ``fetch`` and ``prefill``: model.py (bandwidths of the worker's paths; the online fits).
+- ``l3_fetch``, ``load`` and ``prefill``: model.py. SGLang prefetches L3 pages while the
+  request waits, so that part hides under the queue; the L2 -> L1 load is at admission.
 
-The request goes to the lowest ``score = TTFT + work_weight x work``, where ``work`` is the
-GPU time it costs there (its prefill compute and the fetch on the critical path):
-``work_weight = 0`` is Algorithm 1 as written. Ties go to the smaller decode batch, then in
-turn.
+The request goes to the lowest ``score = TTFT + work_weight x queue(w) / mean work x work``,
+``work`` being the GPU time it costs there (its load and compute): a request's work delays
+every request that will queue behind it, about ``queue / mean work`` of them, so at an idle
+worker the score is the TTFT (Algorithm 1 as written, ``work_weight = 0``) and past the knee
+it keeps a prefix where it is cheapest. Ties go to the smaller decode batch, then in turn.
 
-Admission (``Admission``): ``OFF`` never rejects; ``EARLY`` rejects when the predicted TTFT
-or TBT exceeds its SLO by more than ``slo_tolerance`` (the TBT of the decode batch the request
-joins now); ``PREDICTIVE`` judges the TBT against the decode batch predicted for when its
-prefill ends. A candidate that misses an SLO makes way for the next best (up to
-``ADMISSION_CANDIDATES``) before the request is rejected.
+Admission (admission.py): ``OFF``, ``EARLY`` (the predicted TTFT and the current decode
+batch's TBT against the request's SLOs), ``PREDICTIVE`` (the TBT of the decode batch predicted
+for when its prefill ends). A candidate that misses makes way for the next best (up to
+``ADMISSION_CANDIDATES``); a turn continuing a rejected one gets the cascade margin.
 
 PD mode: ``Role.PREFILL`` workers are candidates for the prefill; the decode worker is the
 ``Role.DECODE`` worker with the lowest predicted TBT; a rejection checks both.
@@ -31,27 +34,25 @@ With ``l3_aware=False`` the core ignores the shared L3 (the paper's local cache-
 """
 from __future__ import annotations
 
-import enum
 import itertools
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
+from .admission import Admission, Gate
 from .api import (Decision, Event, Finished, L3Lookup, LoadReport, Prediction, RejectReason,
                   Rejection, Request, Role, Started, Tier, WorkerSpec)
 from .chain import block_hash
 from .index import MAX_BLOCKS, BlockIndex, Prefix
-from .load import REPORT_STALE_S, SPT_EMA, InFlight, WorkerLoad
+from .load import LOST_AFTER_S, REPORT_STALE_S, SPT_EMA, InFlight, WorkerLoad
+from .pending import PendingIndex
 from .model import DECODE_PRIOR, PREFILL_PRIOR, DecodeModel, Overlap, Paths, PrefillModel
 
 ADMISSION_CANDIDATES = 4      # workers tried, best score first, before a request is rejected
 OUT_TOKENS_EMA = 0.05         # weight of the newest finished request in the expected output
 UNQUEUED_FRACTION = 0.05      # a TTFT is a prefill sample when its predicted queue was below this share
-
-
-class Admission(enum.Enum):
-    OFF = "off"
-    EARLY = "early"               # Algorithm 1: predicted TTFT and the current decode batch's TBT
-    PREDICTIVE = "predictive"     # the TBT of the decode batch predicted at the prefill's end
+CALIBRATE_MIN_QUEUE_S = 0.05  # queues shorter than this say little about the queue model's scale
+MAX_QUEUE_SCALE = 4.0         # one request moves the scale by at most this ratio's share
+QUEUE_SCALE_EMA = 0.05        # geometric: the last ~20 queued requests set the scale
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,15 @@ class ConductorConfig:
     ttft_slo_s: float = 2.0               # for requests that carry no SLO of their own
     tbt_slo_s: float = 0.1
     admission: Admission = Admission.OFF
-    slo_tolerance: float = 0.1            # reject above SLO x (1 + tolerance), never at it
+    slo_tolerance: float = 0.0            # reject above SLO x (1 + tolerance)
+    cascade_tolerance: float = 1.0        # the same for a turn after a rejected one (admission.py)
+    error_quantile: float = 0.95          # judge TTFTs at this quantile of measured / predicted
     l3_aware: bool = True                 # False: the paper's local cache-aware variant
     overlap: Overlap = Overlap.NONE
-    work_weight: float = 0.0              # 0: Algorithm 1 as written
+    work_weight: float = 2.0              # 0: Algorithm 1 as written
+    inflight: bool = True                 # count prefixes sent and not yet reported (pending.py)
+    kv_room: bool = True                  # a worker's queue waits for room in its GPU pool (load.py)
+    calibrate: bool = True                # scale predicted queues by the waits requests met
     max_blocks: int = MAX_BLOCKS
     report_stale_s: float = REPORT_STALE_S
     out_tokens: float = 256.0             # expected output tokens before any request finished
@@ -74,13 +80,17 @@ class _Worker:
     __slots__ = ("spec", "paths", "load", "pos")
 
     def __init__(self, spec: WorkerSpec, stale_s: float, pos: int):
-        self.spec, self.paths, self.load, self.pos = spec, Paths.of(spec), WorkerLoad(stale_s), pos
+        self.spec, self.paths, self.pos = spec, Paths.of(spec), pos
+        self.load = WorkerLoad(stale_s, spec.l1_pages * spec.page_tokens)
 
 
 class _Sent(NamedTuple):
     prefill: str
     decode: Optional[str]
     prediction: Prediction
+    blocks: Sequence[int]         # the pages it will leave cached on its prefill worker
+    at_s: float
+    raw_queue_s: float            # the queue predicted before calibration
 
 
 class _Scored(NamedTuple):
@@ -99,13 +109,20 @@ class Conductor:
         self.config = config
         self.l3 = l3 if config.l3_aware else None
         self.index = BlockIndex(config.max_blocks)
+        self.pending = PendingIndex()
+        self.gate = Gate(config.admission, config.slo_tolerance, config.cascade_tolerance,
+                         config.ttft_slo_s, config.tbt_slo_s, quantile=config.error_quantile)
         self.prefill_model = PrefillModel(config.prefill_prior)
         self.decode_model = DecodeModel(config.decode_prior)
         self.out_tokens = config.out_tokens
         self._workers: dict[str, _Worker] = {}
         self._sent: dict[str, _Sent] = {}
         self._turn = itertools.count()
+        self._blocks: Sequence[int] = ()    # the chain of the request being routed
+        self._cached_any = 0                # its leading pages held by some cache
         self._spt = self.prefill_model.predict(1000, 0) / 1000   # fleet seconds per prompt token
+        self._work = self.prefill_model.predict(1000, 0)          # fleet GPU seconds per request
+        self.queue_scale = 1.0        # measured wait / predicted queue, recent requests
 
     @staticmethod
     def variants() -> dict[str, ConductorConfig]:
@@ -116,6 +133,9 @@ class Conductor:
             "conductor-local": replace(base, l3_aware=False),
             "conductor-early": replace(base, admission=Admission.EARLY),
             "conductor-predictive": replace(base, admission=Admission.PREDICTIVE),
+            # Algorithm 1 as the paper writes it: none of the terms beyond it
+            "conductor-alg1": replace(base, work_weight=0.0, inflight=False, kv_room=False,
+                                      calibrate=False),
         }
 
     # ------------------------------------------------------------ the fleet
@@ -124,10 +144,12 @@ class Conductor:
         self.remove_worker(spec.name)
         self._workers[spec.name] = _Worker(spec, self.config.report_stale_s, len(self._workers))
         self.index.add_worker(spec.name)
+        self.pending.add_worker(spec.name)
 
     def remove_worker(self, name: str) -> None:
         if self._workers.pop(name, None) is not None:
             self.index.remove_worker(name)
+            self.pending.remove_worker(name)
             for pos, w in enumerate(self._workers.values()):
                 w.pos = pos
 
@@ -140,6 +162,16 @@ class Conductor:
         w = self._workers.get(report.worker)
         if w is not None:
             w.load.report(report)
+        self._expire(report.at_s)
+
+    def _expire(self, now: float) -> None:
+        """Forget requests whose Finished never came (their worker's load drops them too)."""
+        while self._sent:
+            rid, sent = next(iter(self._sent.items()))
+            if now - sent.at_s <= LOST_AFTER_S:
+                break
+            del self._sent[rid]
+            self.pending.remove(sent.prefill, sent.blocks)
 
     def observe_started(self, started: Started) -> None:
         sent = self._sent.get(started.rid)
@@ -154,6 +186,7 @@ class Conductor:
         sent = self._sent.pop(finished.rid, None)
         if sent is None:
             return
+        self.pending.remove(sent.prefill, sent.blocks)
         ended = {}
         for name in (sent.prefill, sent.decode):
             w = self._workers.get(name) if name else None
@@ -170,6 +203,11 @@ class Conductor:
             self.prefill_model.observe(new, cached, f.prefill_s)
         elif p.queue_s <= UNQUEUED_FRACTION * f.ttft_s:
             self.prefill_model.observe(new, cached, f.ttft_s - p.queue_s - p.fetch_s)
+        self.gate.observe(p.ttft_s, f.ttft_s)
+        if self.config.calibrate and sent.raw_queue_s > CALIBRATE_MIN_QUEUE_S:
+            waited = f.ttft_s - (f.prefill_s if f.prefill_s is not None else p.prefill_s) - p.fetch_s
+            ratio = min(MAX_QUEUE_SCALE, max(1 / MAX_QUEUE_SCALE, waited / sent.raw_queue_s))
+            self.queue_scale *= (ratio / self.queue_scale) ** QUEUE_SCALE_EMA
         if decoded is not None and decoded.started_s is not None and f.completion_tokens > 1:
             tbt = (f.at_s - decoded.started_s) / (f.completion_tokens - 1)
             self.decode_model.observe(decoded.batch_at_start + 1,
@@ -186,27 +224,33 @@ class Conductor:
         scored = self._score(req, now_s, next(self._turn))
         if not scored:
             return Rejection(RejectReason.NO_WORKER, 1.0, reasons="no prefill worker")
-        cfg = self.config
-        ttft_slo = (req.ttft_slo_s or cfg.ttft_slo_s) * (1 + cfg.slo_tolerance)
-        tbt_slo = (req.tbt_slo_s or cfg.tbt_slo_s) * (1 + cfg.slo_tolerance)
-        out = self._expected_out(req)
-        first = None
-        for s in scored[:ADMISSION_CANDIDATES if cfg.admission is not Admission.OFF else 1]:
+        gate, out = self.gate, self._expected_out(req)
+        limits = gate.limits(req)
+        tried = []
+        for s in scored[:1 if gate.open else ADMISSION_CANDIDATES]:
             p = _prediction(s)
             decode = self._decode_place(p, req, now_s, out)
             if decode is None:
                 return Rejection(RejectReason.NO_WORKER, 1.0, p, "no decode worker")
             p = replace(p, tbt_s=decode[1])
-            first = first or p
-            if cfg.admission is Admission.OFF or (p.ttft_s <= ttft_slo and p.tbt_s <= tbt_slo):
+            if gate.open or limits.met(p):
                 return self._send(req, now_s, s, p, decode[0], out)
-        p = first
-        if p.ttft_s > ttft_slo:
-            return Rejection(RejectReason.TTFT_SLO, max(0.1, p.ttft_s - ttft_slo), p,
-                             f"predicted TTFT {p.ttft_s:.3f}s > {ttft_slo:.3f}s")
-        # retry once about one request of the batch has finished its decode
-        return Rejection(RejectReason.TBT_SLO, max(0.1, p.tbt_s * out), p,
-                         f"predicted TBT {p.tbt_s * 1e3:.1f}ms > {tbt_slo * 1e3:.1f}ms")
+            tried.append((s, p, decode[0]))
+        page = gate.continued(self._blocks)
+        if page is not None:
+            relaxed = gate.limits(req, self.config.cascade_tolerance)
+            for s, p, decode in tried:
+                if relaxed.met(p):
+                    gate.admitted_cascade(page)
+                    return self._send(req, now_s, s, p, decode, out)
+        last = self._usable(req, tried[0][0].worker)
+        if last > self._cached_any:                 # a page only this conversation has
+            gate.remember(self._blocks[last - 1])
+        return gate.reject(tried[0][1], limits, out)
+
+    def _usable(self, req: Request, worker: str) -> int:
+        """The request's whole pages SGLang can cache (it computes at least the last token)."""
+        return max(0, (req.prompt_tokens - 1) // self._workers[worker].spec.page_tokens)
 
     def _expected_out(self, req: Request) -> float:
         return min(self.out_tokens, req.max_new_tokens) if req.max_new_tokens else self.out_tokens
@@ -217,11 +261,16 @@ class Conductor:
         work = s.cost.load_s + s.cost.prefill_s
         if req.prompt_tokens > 0:
             self._spt += SPT_EMA * (work / req.prompt_tokens - self._spt)
+        self._work += SPT_EMA * (work - self._work)
         self._workers[p.worker].load.dispatch(
             InFlight(req.rid, now, req.prompt_tokens, work, out), now)
         if decode is not None:
             self._workers[decode].load.dispatch(InFlight(req.rid, now, req.prompt_tokens, 0.0, out), now)
-        self._sent[req.rid] = _Sent(p.worker, decode, p)
+        blocks = ()
+        if self.config.inflight:
+            blocks = self._blocks[:self._usable(req, p.worker)]
+            self.pending.add(p.worker, blocks)
+        self._sent[req.rid] = _Sent(p.worker, decode, p, blocks, now, p.queue_s / self.queue_scale)
         return Decision(p.worker, p, decode)
 
     def _decode_place(self, p: Prediction, req: Request, now: float,
@@ -249,24 +298,36 @@ class Conductor:
     def _score(self, req: Request, now: float, turn: int) -> list[_Scored]:
         blocks = req.block_hashes if req.block_hashes is not None else \
             [block_hash(h) for h in req.page_hashes]
+        self._blocks = blocks
         prefixes = self.index.prefixes(blocks)
-        l3_pages = self.l3(req.page_hashes) if self.l3 is not None and req.page_hashes else 0
-        n, ww, spt = len(self._workers) or 1, self.config.work_weight, self._spt
+        l3_now = self.l3(req.page_hashes) if self.l3 is not None and req.page_hashes else 0
+        pending = self.pending.lookup(blocks) if self.config.inflight else {}
+        self._cached_any = max([l3_now, *pending.values(), *(p.gpu + p.host for p in prefixes.values())])
+        n, spt = len(self._workers) or 1, self._spt
+        need = req.prompt_tokens + self._expected_out(req)
+        scale = self.queue_scale
+        # the work's cost to the requests that will queue behind it: about queue / mean work
+        ww = self.config.work_weight / max(self._work, 1e-3)
         options: dict = {}                # workers with the same prefix and paths: same options
         out = []
         for w in self._workers.values():
             if w.spec.role is Role.DECODE:
                 continue
-            pre = prefixes.get(w.spec.name, _NONE)
+            name = w.spec.name
+            queue = w.load.queue_s(now, spt)
+            if self.config.kv_room and w.load.capacity:
+                tbt = self.decode_model.predict(*w.load.decode(now))
+                queue = max(queue, w.load.room_wait_s(now, need, tbt))
+            queue *= scale
+            pre = _with_pending(prefixes.get(name, _NONE), pending.get(name, 0))
             key = (pre, w.paths, w.spec.page_tokens)
             opts = options.get(key)
             if opts is None:
-                opts = options[key] = self._options(w, req.prompt_tokens, pre, l3_pages)
-            queue = w.load.queue_s(now, spt)
+                opts = options[key] = self._options(w, req.prompt_tokens, pre, l3_now)
             best = min(opts, key=lambda c: max(queue, c.l3_s) + c.load_s + c.prefill_s)
             work = best.load_s + best.prefill_s
             ttft = max(queue, best.l3_s) + work
-            out.append(_Scored(ttft + ww * work, len(w.load.running), (w.pos - turn) % n,
+            out.append(_Scored(ttft + ww * queue * work, len(w.load.running), (w.pos - turn) % n,
                                w.spec.name, queue, best))
         out.sort()
         return out
@@ -307,3 +368,11 @@ def _prediction(s: _Scored) -> Prediction:
 
 
 _NONE = Prefix(0, 0)
+
+
+def _with_pending(pre: Prefix, pending: int) -> Prefix:
+    """A worker's prefix with the pages it will hold when a request queued now runs: those
+    sent to it in flight count as L1 (they are computed there before this request, FCFS)."""
+    if pending <= pre.gpu:
+        return pre
+    return Prefix(pending, max(0, pre.gpu + pre.host - pending))

@@ -91,7 +91,7 @@ def test_the_l3_prefetch_runs_under_the_queue_so_a_queued_worker_pulls():
 
 
 def test_the_ttft_slo_forces_a_rejection_with_tolerance():
-    c = conductor([spec("a")], admission=Admission.EARLY, ttft_slo_s=0.5)
+    c = conductor([spec("a")], admission=Admission.EARLY, ttft_slo_s=0.5, slo_tolerance=0.1)
     r = c.route(request("r"), 0.0)                      # 1.0 s of prefill > 0.55 s
     assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
     assert r.retry_after_s == pytest.approx(0.45) and r.prediction.ttft_s == pytest.approx(1.0)
@@ -167,8 +167,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["route", "start", "finish", "report", 
 @settings(max_examples=150, deadline=None)
 @given(OPS, st.sampled_from([0.0, 0.5]), st.integers(2, 5))
 def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
-    """No events, no L3: the scores differ by the queue alone, so the choice is the worker
-    with the least predicted queue (ties: the smaller decode batch)."""
+    """No events, no L3, no prefix shared with a request in flight: the scores differ by the
+    queue alone, so the choice is the worker with the least predicted queue."""
     c = Conductor(None, ConductorConfig(work_weight=work_weight))
     names = [f"w{i}" for i in range(n)]
     for w in names:
@@ -176,8 +176,9 @@ def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
     now, sent, started = 0.0, [], []
     for k, (op, size, pick) in enumerate(ops):
         if op == "route":
-            preds = c.predict(request(f"r{k}", prompt=size * PT), now)
-            d = c.route(request(f"r{k}", prompt=size * PT), now)
+            req = request(f"r{k}", prompt=size * PT, chain=pages(size, f"r{k}"))
+            preds = c.predict(req, now)
+            d = c.route(req, now)
             least = min(p.queue_s for p in preds)
             assert d.prediction.queue_s == pytest.approx(least)
             assert len({round(p.prefill_s + p.fetch_s, 9) for p in preds}) == 1
