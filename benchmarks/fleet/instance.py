@@ -100,7 +100,9 @@ class SimInstance:
         self.kv_tokens = 0             # running requests: prompt + generated
         self.generated_tokens = 0      # running requests: generated (shrinks the L1 cache)
         self.admitted_tokens = 0       # prompts admitted to prefill, not yet running
-        self.waiting_tokens = 0        # prompt tokens of the waiting queue not yet prefilled
+        self.waiting_tokens = 0        # SGLang's pending tokens: whole prompts of queued
+                                       # requests + what is left of those being prefilled
+        self.queued = 0                # requests not yet admitted to a prefill
         self.outbox: list = []         # api events since the last drain
         self.started: list[Job] = []
         self.finished: list[Job] = []
@@ -115,6 +117,7 @@ class SimInstance:
         job.worker = self.index
         self.waiting.append(job)
         self.waiting_tokens += job.prompt
+        self.queued += 1
         n = min(self.l3.leading(chain, local, now), job.usable - local)
         if n <= 0:
             return None
@@ -148,7 +151,7 @@ class SimInstance:
 
     def load(self, now: float) -> api.LoadReport:
         used = self.kv_tokens + self.admitted_tokens + len(self.l1) * self.cfg.page_tokens
-        return api.LoadReport(self.name, now, len(self.waiting), self.waiting_tokens,
+        return api.LoadReport(self.name, now, self.queued, self.waiting_tokens,
                               len(self.running), self.kv_tokens,
                               min(1.0, used / self.l1_tokens))
 
@@ -179,6 +182,7 @@ class SimInstance:
                     break                           # FCFS: wait for memory, as SGLang does
                 room -= need
                 self.admitted_tokens += job.prompt
+                self.queued -= 1
                 self._match(job)
                 self.waiting_tokens -= job.done     # served from the cache, not prefilled
                 load_pages += job.load_pages

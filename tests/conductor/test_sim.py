@@ -266,3 +266,29 @@ def test_one_instance_meets_sglang_online_latency_gate():
     assert statistics.median(j.first_token - j.arrival for j in sim.served) < 0.080
     assert statistics.median((j.finish - j.first_token) / (j.output - 1)
                              for j in sim.served if j.output > 1) < 0.012
+
+
+class LoadLog(LeastLoadRouter):
+    def __init__(self):
+        super().__init__()
+        self.reports = []
+
+    def observe_load(self, report):
+        self.reports.append(report)
+
+
+def test_load_reports_count_what_sglang_reports():
+    """Three 8k-token prompts at once on one instance: while the first is prefilled, two wait
+    whole (SGLang's /v1/loads: waiting requests, pending tokens); then all three decode."""
+    trace = [req(i, 0.0, range(100 * i, 100 * i + 16), out=200) for i in range(3)]
+    routers = []
+    run(trace, FleetConfig(instances=1, load_interval_s=0.1),
+        lambda view: routers.append(LoadLog()) or routers[-1])
+    reports = routers[0].reports
+    first = PERF.prefill_s(8192)
+    during = [r for r in reports if 0.0 < r.at_s < first]
+    assert during and all(r.waiting_reqs == 2 and r.waiting_tokens == 3 * 8192
+                          and r.running_reqs == 0 for r in during)
+    decoding = [r for r in reports if r.running_reqs == 3]
+    assert decoding and decoding[0].waiting_reqs == 0 and decoding[0].waiting_tokens == 0
+    assert decoding[0].running_tokens >= 3 * 8193
