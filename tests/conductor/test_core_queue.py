@@ -6,7 +6,7 @@ import pytest
 
 from hicache_mc.conductor.api import Finished, Request, Started, Tier, WorkerSpec
 from hicache_mc.conductor.load import InFlight, WorkerLoad
-from hicache_mc.conductor.pending import PendingIndex
+from hicache_mc.conductor.pending import STRIDE, PendingIndex
 
 from test_core import PT, conductor, hold, pages, request, spec
 
@@ -15,15 +15,20 @@ def test_pending_prefixes_count_requests_and_lead_per_worker():
     p = PendingIndex()
     for w in ("a", "b"):
         p.add_worker(w)
-    p.add("a", [1, 2, 3])
-    p.add("a", [1, 2])
-    p.add("b", [1, 9])
-    assert p.lookup([1, 2, 3, 4]) == {"a": 3, "b": 1}
-    p.remove("a", [1, 2, 3])
-    assert p.lookup([1, 2, 3]) == {"a": 2, "b": 1}       # the second request still holds 1, 2
-    p.remove("a", [1, 2])
-    p.remove("b", [1, 9])
-    assert p.lookup([1, 2]) == {} and len(p) == 0
+    chain = list(range(100, 200))
+    p.add("a", chain[:3])
+    p.add("a", chain[:2])
+    p.add("b", chain[:80])
+    # a's whole requests are the chain's prefix: exact; b's 80 pages too
+    assert p.lookup(chain) == {"a": 3, "b": 80}
+    # a chain that leaves b's request after 70 pages: the last kept page it holds is the 64th
+    fork = chain[:70] + [7, 8, 9]
+    assert p.lookup(fork) == {"a": 3, "b": 2 * STRIDE}
+    p.remove("a", chain[:3])
+    assert p.lookup(chain) == {"a": 2, "b": 80}     # the second request still holds 2 pages
+    p.remove("a", chain[:2])
+    p.remove("b", chain[:80])
+    assert p.lookup(chain) == {} and len(p) == 0
     p.add("b", [5])
     p.remove_worker("b")
     assert p.lookup([5]) == {} and len(p) == 0
