@@ -77,10 +77,12 @@ class ConductorConfig:
 
 
 class _Worker:
-    __slots__ = ("spec", "paths", "load", "pos")
+    __slots__ = ("spec", "name", "paths", "load", "pos", "kind", "prefills")
 
-    def __init__(self, spec: WorkerSpec, stale_s: float, pos: int):
-        self.spec, self.paths, self.pos = spec, Paths.of(spec), pos
+    def __init__(self, spec: WorkerSpec, stale_s: float, pos: int, kind: int):
+        self.spec, self.name, self.paths, self.pos = spec, spec.name, Paths.of(spec), pos
+        self.kind = kind              # workers of one kind (paths, page size) cost the same
+        self.prefills = spec.role is not Role.DECODE
         self.load = WorkerLoad(stale_s, spec.l1_pages * spec.page_tokens)
 
 
@@ -118,6 +120,7 @@ class Conductor:
         self._workers: dict[str, _Worker] = {}
         self._sent: dict[str, _Sent] = {}
         self._turn = itertools.count()
+        self._kinds: dict = {}
         self._blocks: Sequence[int] = ()    # the chain of the request being routed
         self._cached_any = 0                # its leading pages held by some cache
         self._spt = self.prefill_model.predict(1000, 0) / 1000   # fleet seconds per prompt token
@@ -138,11 +141,30 @@ class Conductor:
                                       calibrate=False),
         }
 
+    @staticmethod
+    def ablations() -> dict[str, ConductorConfig]:
+        """The default with one term beyond Algorithm 1 taken out (or, for overlap, put in):
+        what each is worth, measured in the fleet simulator (docs/conductor.md)."""
+        base = ConductorConfig()
+        early = replace(base, admission=Admission.EARLY)
+        return {
+            "conductor-no-work": replace(base, work_weight=0.0),
+            "conductor-no-inflight": replace(base, inflight=False),
+            "conductor-no-kvroom": replace(base, kv_room=False),
+            "conductor-no-calibrate": replace(base, calibrate=False),
+            "conductor-overlap": replace(base, overlap=Overlap.HOST),
+            "conductor-early-no-cascade": replace(early, cascade_tolerance=0.0),
+            "conductor-early-no-quantile": replace(early, error_quantile=0.0),
+            "conductor-early-no-kvroom": replace(early, kv_room=False),
+            "conductor-early-no-calibrate": replace(early, calibrate=False),
+        }
+
     # ------------------------------------------------------------ the fleet
 
     def add_worker(self, spec: WorkerSpec) -> None:
         self.remove_worker(spec.name)
-        self._workers[spec.name] = _Worker(spec, self.config.report_stale_s, len(self._workers))
+        kind = self._kinds.setdefault((Paths.of(spec), spec.page_tokens), len(self._kinds))
+        self._workers[spec.name] = _Worker(spec, self.config.report_stale_s, len(self._workers), kind)
         self.index.add_worker(spec.name)
         self.pending.add_worker(spec.name)
 
@@ -281,7 +303,7 @@ class Conductor:
             return None, self._tbt(w, req, now, p.ttft_s)
         best = None
         for d in self._workers.values():
-            if d.spec.role is Role.DECODE:
+            if not d.prefills:
                 tbt = self._tbt(d, req, now, p.ttft_s)
                 if best is None or tbt < best[1]:
                     best = (d.spec.name, tbt)
@@ -308,27 +330,30 @@ class Conductor:
         scale = self.queue_scale
         # the work's cost to the requests that will queue behind it: about queue / mean work
         ww = self.config.work_weight / max(self._work, 1e-3)
-        options: dict = {}                # workers with the same prefix and paths: same options
-        out = []
+        options: dict = {}                # workers of one kind with one prefix: same options
+        kv_room, tbt_of, out = self.config.kv_room, self.decode_model.predict, []
         for w in self._workers.values():
-            if w.spec.role is Role.DECODE:
+            if not w.prefills:
                 continue
-            name = w.spec.name
-            queue = w.load.queue_s(now, spt)
-            if self.config.kv_room and w.load.capacity:
-                tbt = self.decode_model.predict(*w.load.decode(now))
-                queue = max(queue, w.load.room_wait_s(now, need, tbt))
+            load = w.load
+            queue = load.queue_s(now, spt)
+            if kv_room and load.capacity:
+                queue = max(queue, load.room_wait_s(now, need, tbt_of(*load.decode(now))))
             queue *= scale
-            pre = _with_pending(prefixes.get(name, _NONE), pending.get(name, 0))
-            key = (pre, w.paths, w.spec.page_tokens)
-            opts = options.get(key)
+            pre = prefixes.get(w.name, _NONE)
+            if pending:
+                pre = _with_pending(pre, pending.get(w.name, 0))
+            opts = options.get((pre, w.kind))
             if opts is None:
-                opts = options[key] = self._options(w, req.prompt_tokens, pre, l3_now)
-            best = min(opts, key=lambda c: max(queue, c.l3_s) + c.load_s + c.prefill_s)
+                opts = options[pre, w.kind] = self._options(w, req.prompt_tokens, pre, l3_now)
+            best, ttft = None, 0.0
+            for c in opts:
+                t = (queue if queue > c.l3_s else c.l3_s) + c.load_s + c.prefill_s
+                if best is None or t < ttft:
+                    best, ttft = c, t
             work = best.load_s + best.prefill_s
-            ttft = max(queue, best.l3_s) + work
-            out.append(_Scored(ttft + ww * queue * work, len(w.load.running), (w.pos - turn) % n,
-                               w.spec.name, queue, best))
+            out.append(_Scored(ttft + ww * queue * work, len(load.running), (w.pos - turn) % n,
+                               w.name, queue, best))
         out.sort()
         return out
 
@@ -339,9 +364,12 @@ class Conductor:
         g = min(pre.gpu, top)
         h = min(pre.gpu + pre.host, top) - g
         l3 = max(0, min(l3_pages, top) - g - h)
-        predict, overlap, fetch = self.prefill_model.predict, self.config.overlap, w.paths.fetch
-        out = []
-        for hp, lp in ((0, 0), (h, 0), (h, l3)) if h or l3 else ((0, 0),):
+        predict = self.prefill_model.predict
+        if not (h or l3):                         # nothing to pull: one option
+            cached = g * pt
+            return [_Cost(0.0, 0.0, predict(prompt - cached, cached), g, 0, 0, 0)]
+        fetch, overlap, out = w.paths.fetch, self.config.overlap, []
+        for hp, lp in ((0, 0), (h, 0), (h, l3)):
             cached = (g + hp + lp) * pt
             pre_s = predict(prompt - cached, cached)
             f = fetch(hp, lp, pre_s, overlap)
