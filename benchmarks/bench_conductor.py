@@ -27,8 +27,8 @@ from itertools import repeat
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.common import pct, table, write_json  # noqa: E402
-from hicache_mc.conductor.api import (BlocksStored, Decision, Finished, Request, Started,  # noqa: E402
-                                      Tier, WorkerSpec)
+from hicache_mc.conductor.api import (  # noqa: E402
+    BlocksStored, Decision, Finished, Request, Started, Tier, WorkerSpec)
 from hicache_mc.conductor.chain import block_hash, chain  # noqa: E402
 from hicache_mc.conductor.core import Admission, Conductor, ConductorConfig  # noqa: E402
 from hicache_mc.conductor.index import BlockIndex  # noqa: E402
@@ -50,7 +50,8 @@ class SetL3:
 def fleet(args, rng, shared: list[str]) -> tuple[Conductor, SetL3]:
     """Workers whose caches hold parts of ``shared`` plus filler chains, with load."""
     l3 = SetL3(shared[: len(shared) * 3 // 4])
-    c = Conductor(l3, ConductorConfig(admission=Admission.PREDICTIVE, ttft_slo_s=1e9, tbt_slo_s=1e9))
+    cfg = ConductorConfig(admission=Admission.PREDICTIVE, ttft_slo_s=1e9, tbt_slo_s=1e9)
+    c = Conductor(l3, cfg)
     blocks = [block_hash(h) for h in shared]
     for i in range(args.workers):
         name = f"w{i}"

@@ -74,8 +74,8 @@ class Gate:
 
     def limits(self, req: Request, tolerance: Optional[float] = None) -> Limits:
         k = 1 + (self.tolerance if tolerance is None else tolerance)
-        return Limits((req.ttft_slo_s or self.ttft_slo_s) * k, (req.tbt_slo_s or self.tbt_slo_s) * k,
-                      self.error)
+        return Limits((req.ttft_slo_s or self.ttft_slo_s) * k,
+                      (req.tbt_slo_s or self.tbt_slo_s) * k, self.error)
 
     def continued(self, blocks: Sequence[int]) -> Optional[int]:
         """The remembered page of a rejected prompt that ``blocks`` continues, if any."""

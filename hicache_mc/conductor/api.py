@@ -63,8 +63,9 @@ class Request:
     max_new_tokens: int = 0               # the client's bound; 0 when it gave none
     ttft_slo_s: Optional[float] = None    # per-request SLOs; None: the router's defaults
     tbt_slo_s: Optional[float] = None
-    block_hashes: Optional[Sequence[int]] = None  # their KV-event block hashes (chain.chain);
-    #                                       None: chain.block_hash of each page hash (no salt, no LoRA)
+    # their KV-event block hashes (chain.chain); None: chain.block_hash of each page hash,
+    # which is right for a request with no cache salt and no LoRA
+    block_hashes: Optional[Sequence[int]] = None
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ def _page_bytes(tokens: Sequence[int]) -> bytes:
     return words.tobytes()
 
 
-def hash_pages(tokens: Sequence[int], page_tokens: int, prior_hash: Optional[str] = None) -> list[str]:
+def hash_pages(tokens: Sequence[int], page_tokens: int,
+               prior_hash: Optional[str] = None) -> list[str]:
     """SGLang's ``get_hash_str(tokens, prior_hash, page_size)`` over the whole pages only."""
     if page_tokens <= 0:
         raise ValueError(f"page_tokens {page_tokens}: must be positive")

@@ -49,7 +49,7 @@ from .model import DECODE_PRIOR, PREFILL_PRIOR, DecodeModel, Overlap, Paths, Pre
 
 ADMISSION_CANDIDATES = 4      # workers tried, best score first, before a request is rejected
 OUT_TOKENS_EMA = 0.05         # weight of the newest finished request in the expected output
-UNQUEUED_FRACTION = 0.05      # a TTFT is a prefill sample when its predicted queue was below this share
+UNQUEUED_FRACTION = 0.05      # a TTFT is a prefill sample if its queue was predicted under this
 CALIBRATE_MIN_QUEUE_S = 0.05  # queues shorter than this say little about the queue model's scale
 MAX_QUEUE_SCALE = 4.0         # one request moves the scale by at most this ratio's share
 QUEUE_SCALE_EMA = 0.05        # geometric: the last ~20 queued requests set the scale
@@ -67,7 +67,7 @@ class ConductorConfig:
     overlap: Overlap = Overlap.NONE
     work_weight: float = 2.0              # 0: Algorithm 1 as written
     inflight: bool = True                 # count prefixes sent and not yet reported (pending.py)
-    kv_room: bool = True                  # a worker's queue waits for room in its GPU pool (load.py)
+    kv_room: bool = True                  # a queue waits for room in the GPU pool (load.py)
     calibrate: bool = True                # scale predicted queues by the waits requests met
     max_blocks: int = MAX_BLOCKS
     report_stale_s: float = REPORT_STALE_S
@@ -164,7 +164,8 @@ class Conductor:
     def add_worker(self, spec: WorkerSpec) -> None:
         self.remove_worker(spec.name)
         kind = self._kinds.setdefault((Paths.of(spec), spec.page_tokens), len(self._kinds))
-        self._workers[spec.name] = _Worker(spec, self.config.report_stale_s, len(self._workers), kind)
+        self._workers[spec.name] = _Worker(spec, self.config.report_stale_s, len(self._workers),
+                                           kind)
         self.index.add_worker(spec.name)
         self.pending.add_worker(spec.name)
 
@@ -227,7 +228,8 @@ class Conductor:
             self.prefill_model.observe(new, cached, f.ttft_s - p.queue_s - p.fetch_s)
         self.gate.observe(p.ttft_s, f.ttft_s)
         if self.config.calibrate and sent.raw_queue_s > CALIBRATE_MIN_QUEUE_S:
-            waited = f.ttft_s - (f.prefill_s if f.prefill_s is not None else p.prefill_s) - p.fetch_s
+            compute = f.prefill_s if f.prefill_s is not None else p.prefill_s
+            waited = f.ttft_s - compute - p.fetch_s
             ratio = min(MAX_QUEUE_SCALE, max(1 / MAX_QUEUE_SCALE, waited / sent.raw_queue_s))
             self.queue_scale *= (ratio / self.queue_scale) ** QUEUE_SCALE_EMA
         if decoded is not None and decoded.started_s is not None and f.completion_tokens > 1:
@@ -287,7 +289,8 @@ class Conductor:
         self._workers[p.worker].load.dispatch(
             InFlight(req.rid, now, req.prompt_tokens, work, out), now)
         if decode is not None:
-            self._workers[decode].load.dispatch(InFlight(req.rid, now, req.prompt_tokens, 0.0, out), now)
+            self._workers[decode].load.dispatch(
+                InFlight(req.rid, now, req.prompt_tokens, 0.0, out), now)
         blocks = ()
         if self.config.inflight:
             blocks = self._blocks[:self._usable(req, p.worker)]
@@ -324,7 +327,8 @@ class Conductor:
         prefixes = self.index.prefixes(blocks)
         l3_now = self.l3(req.page_hashes) if self.l3 is not None and req.page_hashes else 0
         pending = self.pending.lookup(blocks) if self.config.inflight else {}
-        self._cached_any = max([l3_now, *pending.values(), *(p.gpu + p.host for p in prefixes.values())])
+        self._cached_any = max([l3_now, *pending.values(),
+                                *(p.gpu + p.host for p in prefixes.values())])
         n, spt = len(self._workers) or 1, self._spt
         need = req.prompt_tokens + self._expected_out(req)
         scale = self.queue_scale

@@ -41,7 +41,7 @@ class InFlight:
     rid: str
     dispatched_s: float
     prompt_tokens: int
-    work_s: float                     # prefill compute + fetch on the critical path (0: decode only)
+    work_s: float                     # load + prefill compute on the GPU (0: decode only)
     out_tokens: float                 # expected output tokens
     after_report: bool = True         # sent after the last report's at_s
     started_s: Optional[float] = None

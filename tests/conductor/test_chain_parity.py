@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hicache_mc.conductor import chain as C
 from hicache_mc.keys import batch_page_keys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sglang"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "sglang"))
 from sglang_env import apply_torchvision_stub  # noqa: E402
 
 apply_torchvision_stub()
@@ -42,13 +43,15 @@ def whole(tokens, page):
 @SETTINGS
 @given(TOKENS, PAGES)
 def test_page_hashes_match_get_hash_str(tokens, page):
-    assert C.hash_pages(tokens, page) == sg_utils.get_hash_str(whole(tokens, page), None, page_size=page)
+    expected = sg_utils.get_hash_str(whole(tokens, page), None, page_size=page)
+    assert C.hash_pages(tokens, page) == expected
 
 
 @SETTINGS
 @given(st.lists(st.integers(0, 2**63 - 1), max_size=40), PAGES)
 def test_wide_token_pages_match(tokens, page):
-    assert C.hash_pages(tokens, page) == sg_utils.get_hash_str(whole(tokens, page), None, page_size=page)
+    expected = sg_utils.get_hash_str(whole(tokens, page), None, page_size=page)
+    assert C.hash_pages(tokens, page) == expected
 
 
 @SETTINGS
@@ -56,7 +59,8 @@ def test_wide_token_pages_match(tokens, page):
 def test_storage_chain_matches_get_storage_hash_str(tokens, page, extra, salt):
     ns = C.CacheNamespace(extra_key=extra, cache_salt=salt)
     key = RadixKey(array("q", whole(tokens, page)), extra_key=extra, cache_salt=salt)
-    assert C.chain(tokens, page, ns).page_hashes == sg_utils.get_storage_hash_str(key, None, page_size=page)
+    expected = sg_utils.get_storage_hash_str(key, None, page_size=page)
+    assert C.chain(tokens, page, ns).page_hashes == expected
 
 
 @SETTINGS
@@ -64,7 +68,7 @@ def test_storage_chain_matches_get_storage_hash_str(tokens, page, extra, salt):
 def test_block_hash_and_namespace_seed(hexstr, extra, salt):
     assert C.block_hash(hexstr) == sg_utils.hash_str_to_int64(hexstr)
     ns = C.CacheNamespace(extra_key=extra, cache_salt=salt, dynamo_format=True)
-    seed = kv_event_namespace_seed(extra_key=extra, cache_salt=ns.cache_salt)   # salt "": none
+    seed = kv_event_namespace_seed(extra_key=extra, cache_salt=ns.cache_salt)  # "": none
     assert C.event_seed(ns) == seed
     b = C.block_hash(hexstr)
     assert C.namespaced(b, seed) == namespaced_block_hash(b, namespace_seed=seed)

@@ -76,7 +76,7 @@ def test_prefixes_match_a_naive_model(ops, chain):
 def test_lru_bound_drops_the_least_recently_touched():
     ix = index_of(["a"], max_blocks=4)
     ix.apply([BlocksStored("a", G, [1, 2, 3, 4])])
-    assert ix.prefixes([1, 2]) == {"a": Prefix(2, 0)}      # touches 1, 2 (applied with the next events)
+    assert ix.prefixes([1, 2]) == {"a": Prefix(2, 0)}      # touches 1, 2 (with the next apply)
     ix.apply([BlocksStored("a", G, [5, 6])])                 # evicts 3 and 4, not 1, 2
     assert ix.memory().blocks == 4 and ix.counters.evicted == 2
     assert ix.prefixes([1, 2, 3]) == {"a": Prefix(2, 0)}
