@@ -63,8 +63,8 @@ class InstanceConfig:
 class Job:
     """A request on its instance: what it asked for, how far it got, what it was served from."""
     __slots__ = ("rid", "chain", "usable", "prompt", "output", "arrival", "noise", "eligible",
-                 "pf_from", "pf_n", "done", "load_pages", "gpu", "host", "l3", "compute_s",
-                 "first_token", "generated", "finish", "worker")
+                 "pf_from", "pf_n", "admitted", "done", "load_pages", "gpu", "host", "l3",
+                 "compute_s", "first_token", "generated", "finish", "worker")
 
     def __init__(self, rid: int, chain: tuple, prompt: int, output: int, arrival: float,
                  noise: float = 1.0, page_tokens: int = 512):
@@ -76,6 +76,7 @@ class Job:
         self.usable = (prompt - 1) // page_tokens
         self.arrival, self.noise, self.eligible = arrival, noise, arrival
         self.pf_from = self.pf_n = self.done = self.load_pages = 0
+        self.admitted = False                            # to a prefill batch: runs to the end
         self.gpu = self.host = self.l3 = 0               # prompt tokens served per tier
         self.compute_s = 0.0
         self.first_token = self.finish = -1.0
@@ -129,6 +130,16 @@ class SimInstance:
         """``job``'s prefetch is in: its pages enter L2."""
         self._publish(api.Tier.HOST, self.l2.touch(job.chain[job.pf_from:job.pf_from + job.pf_n]))
 
+    def abandon(self, job: Job) -> bool:
+        """``job``'s client gave up: if it is still queued it leaves at no compute cost, as
+        SGLang drops a request whose connection closed; once admitted it runs to the end."""
+        if job.admitted or job.worker != self.index:
+            return False
+        self.waiting.remove(job)
+        self.queued -= 1
+        self.waiting_tokens -= job.prompt
+        return True
+
     def poke(self, now: float) -> Optional[float]:
         """A request became schedulable: start work if idle, or end the decode run at the next
         step boundary. Returns the new wake-up time, or None if it did not change."""
@@ -174,13 +185,14 @@ class SimInstance:
         for job in self.waiting:
             if budget <= 0 or len(batch) >= slots:
                 break
-            if job.done == 0:                       # not admitted yet
+            if not job.admitted:
                 if job.eligible > now:
                     continue                        # its prefetch is still on the way
                 need = job.prompt + cfg.decode_reserve
                 if need > room and (batch or self.running or self.admitted_tokens):
                     break                           # FCFS: wait for memory, as SGLang does
                 room -= need
+                job.admitted = True
                 self.admitted_tokens += job.prompt
                 self.queued -= 1
                 self._match(job)

@@ -15,6 +15,12 @@ is what it would get in production, and nothing else:
 
 A rejected request is not served: its prompt's pages are never computed, so the next turn of
 its conversation (the trace's next request sharing its prefix) finds them in no cache.
+
+Clients give up: a request still queued (not admitted to a prefill) ``patience`` after its
+arrival leaves the queue at no compute cost, as SGLang drops a request whose connection
+closed, and the router hears ``Finished(ok=False)``; one whose prefill started runs to the
+end. It is neither served nor good. Without it, every policy that does not reject collapses
+past the fleet's capacity: the queues grow for the rest of the trace.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from .l3 import L3View, SharedL3
 from .metrics import RunResult, summarize
 from .workload import BLOCK_TOKENS, TraceRequest, Workload
 
-WAKE, PREFETCH, DELIVER, TICK = 1, 2, 3, 4
+WAKE, PREFETCH, DELIVER, TICK, ABANDON = 1, 2, 3, 4, 5
 GB = 1e9
 
 
@@ -56,6 +62,8 @@ class FleetConfig:
     ttft_slo_factor: float = 2.0
     tbt_slo_s: float = 0.1            # mean time per output token after the first
     max_new_tokens: int = 2048        # the client's bound the router sees
+    abandon_floor_s: float = 30.0     # a client gives up on a request still queued after
+    abandon_slo_factor: float = 10.0  # max(floor, factor x its TTFT SLO); both 0: never
 
     def without_l3(self) -> "FleetConfig":
         return replace(self, l3_pages=0)
@@ -66,6 +74,13 @@ def ttft_slo(perf: PerfModel, fleet: FleetConfig, prompt_tokens: int) -> float:
     (network, tokenization, a short queue): 0.6 s for 1k tokens, 1.3 s for 12k, 22 s for
     100k. A fixed TTFT SLO cannot fit prompts from 500 to 126k tokens."""
     return fleet.ttft_slo_base_s + fleet.ttft_slo_factor * perf.prefill_s(prompt_tokens)
+
+
+def patience(fleet: FleetConfig, ttft_slo_s: float) -> Optional[float]:
+    """How long a client waits for a request to start before giving up (None: forever)."""
+    if fleet.abandon_floor_s <= 0 and fleet.abandon_slo_factor <= 0:
+        return None
+    return max(fleet.abandon_floor_s, fleet.abandon_slo_factor * ttft_slo_s)
 
 
 def worker_spec(name: str, fleet: FleetConfig, perf: PerfModel) -> api.WorkerSpec:
@@ -103,6 +118,7 @@ class FleetSim:
         self.outstanding = 0
         self.served: list[Job] = []
         self.rejected: list[int] = []
+        self.abandoned: list[Job] = []
         self.slo: dict = {}                                   # rid -> (ttft SLO, tbt SLO)
 
     def run(self) -> RunResult:
@@ -123,7 +139,8 @@ class FleetSim:
         span = (arrivals[-1].timestamp_s - t0) / self.load if n else 0.0
         if span <= 0:                   # all at once: per second of the whole run instead
             span = max((j.finish for j in self.served), default=1.0) - t0 / self.load or 1.0
-        return summarize(self.served, self.rejected, self.slo, n, span, self.l3)
+        return summarize(self.served, self.rejected, len(self.abandoned), self.slo, n, span,
+                         self.l3, self.workload.previous)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -140,6 +157,8 @@ class FleetSim:
             inst = self.instances[a]
             inst.prefetched(b, t)
             self._wake(inst, inst.poke(t), t)
+        elif kind == ABANDON:
+            self._abandon(self.instances[a], b, t)
         elif kind == DELIVER:
             self.router.observe_events(a if b is None else self.channel.replay(b))
         elif kind == TICK:
@@ -168,12 +187,24 @@ class FleetSim:
         job = Job(tr.index, tr.hash_ids, tr.input_tokens, tr.output_tokens, now, noise,
                   BLOCK_TOKENS)
         self.outstanding += 1
+        wait = patience(fleet, slo[0])
+        if wait is not None:
+            self._push(now + wait, ABANDON, inst.index, job)
         prefetch_done = inst.arrive(job, now)
         if prefetch_done is not None:
             self._push(prefetch_done, PREFETCH, inst.index, job)
             self._drain(inst, now)
         else:
             self._wake(inst, inst.poke(now), now)
+
+    def _abandon(self, inst: SimInstance, job: Job, now: float) -> None:
+        """The client gave up; SGLang ends a request still queued, and its response says so."""
+        if inst.abandon(job):
+            self.abandoned.append(job)
+            self.outstanding -= 1
+            self.router.observe_finished(api.Finished(
+                inst.name, str(job.rid), now, job.prompt, 0, {}, now - job.arrival, None,
+                ok=False))
 
     def _wake(self, inst: SimInstance, until: Optional[float], now: float) -> None:
         if until is not None:

@@ -124,6 +124,7 @@ class Workload:
         # a router sees the prompt's full pages only (SGLang hashes no partial page)
         self.page_hashes = [self.names.page_hashes(r.hash_ids[:r.input_tokens // BLOCK_TOKENS])
                             for r in self.requests]
+        self.previous = previous_turns(self.requests)
 
     @property
     def distinct_blocks(self) -> int:
@@ -131,3 +132,22 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def previous_turns(reqs: Sequence[TraceRequest]) -> list[int]:
+    """For each request, its conversation's previous turn: the latest earlier request whose
+    full pages (at least 2) are a prefix of this one's; -1 if none. Ids are chained (an id
+    names its whole prefix), so a prefix of k pages is named by (k, its last id)."""
+    latest: dict = {}
+    out = []
+    for r in reqs:
+        full = r.hash_ids[:r.input_tokens // BLOCK_TOKENS]
+        best = -1
+        for k in range(2, len(full) + 1):
+            q = latest.get((k, full[k - 1]), -1)
+            if q > best:
+                best = q
+        out.append(best)
+        if len(full) >= 2:
+            latest[(len(full), full[-1])] = r.index
+    return out

@@ -292,3 +292,47 @@ def test_load_reports_count_what_sglang_reports():
     decoding = [r for r in reports if r.running_reqs == 3]
     assert decoding and decoding[0].waiting_reqs == 0 and decoding[0].waiting_tokens == 0
     assert decoding[0].running_tokens >= 3 * 8193
+
+
+class FinishedLog(LeastLoadRouter):
+    def __init__(self):
+        super().__init__()
+        self.finished = []
+
+    def observe_finished(self, finished):
+        super().observe_finished(finished)
+        self.finished.append(finished)
+
+
+def test_a_client_gives_up_on_a_queued_request_not_on_a_started_one():
+    """A 64k-token prefill takes ~5 s; a request behind it whose client waits 1 s leaves the
+    queue (the router hears ok=False); the long one, past its own patience while prefilling,
+    is served."""
+    fleet = FleetConfig(instances=1, abandon_floor_s=1.0, abandon_slo_factor=0.0)
+    trace = [req(0, 0.0, range(128)), req(1, 0.5, range(500, 504))]
+    routers = []
+    sim, r = run(trace, fleet, lambda view: routers.append(FinishedLog()) or routers[-1])
+    assert PERF.prefill_s(128 * 512) > 2.0
+    assert [j.rid for j in sim.served] == [0] and [j.rid for j in sim.abandoned] == [1]
+    assert r.abandoned == 1 and r.served == 1 and r.slo_ok <= 0.5
+    gone = [f for f in routers[0].finished if not f.ok]
+    assert [(f.rid, f.at_s) for f in gone] == [("1", pytest.approx(1.5))]
+    assert routers[0].inflight["w0"] == 0
+    _, r = run(trace, FleetConfig(instances=1, abandon_floor_s=0.0, abandon_slo_factor=0.0))
+    assert r.abandoned == 0 and r.served == 2                 # patience off: both served
+
+
+class RejectTwo(LeastLoadRouter):
+    def route(self, req, now_s):
+        if req.rid in ("0", "1"):
+            return api.Rejection(api.RejectReason.TTFT_SLO, 1.0)
+        return super().route(req, now_s)
+
+
+def test_the_cascade_figure_follows_conversations():
+    trace = [req(0, 0.0, [1, 2, 3, 4]), req(1, 1.0, [1, 2, 3, 4, 5, 6]),
+             req(2, 2.0, [1, 2, 3, 4, 5, 6, 7, 8]), req(3, 3.0, [9, 10, 11])]
+    assert Workload(trace).previous == [-1, 0, 1, -1]
+    _, r = run(trace, FleetConfig(instances=1), lambda view: RejectTwo())
+    # turn 1 follows a rejected turn and is rejected; turn 2 follows one and is admitted
+    assert r.rejected_after_rejected == 0.5 and r.rejected_after_admitted is None
