@@ -59,6 +59,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--ttft-slo", default="0.5,2.0",
                     help="BASE,FACTOR: TTFT SLO = BASE s + FACTOR x the prompt's cold prefill")
     ap.add_argument("--tbt-slo", type=float, default=0.1, help="s per output token")
+    ap.add_argument("--abandon", default="30,10",
+                    help="FLOOR,FACTOR: a client gives up on a request still queued after "
+                         "max(FLOOR s, FACTOR x its TTFT SLO); 'off': never")
+    ap.add_argument("--no-collapse-check", dest="collapse_check", action="store_false",
+                    help="skip the routing runs without abandonment near the knee")
     ap.add_argument("--event-delay", type=float, default=0.05)
     ap.add_argument("--event-loss", type=float, default=0.0)
     ap.add_argument("--no-spread", dest="spread", action="store_false",
@@ -94,6 +99,7 @@ def ceiling(reqs) -> float:
 
 def fleet_config(args, distinct: int) -> FleetConfig:
     l1 = args.l1_tokens // workload.BLOCK_TOKENS
+    floor, factor = (0.0, 0.0) if args.abandon == "off" else map(float, args.abandon.split(","))
     return FleetConfig(instances=args.instances, l1_pages=l1, l2_pages=int(l1 * args.l2_ratio),
                        host_bw=args.host_bw * GB, l3_pages=int(args.l3 * distinct),
                        l3_bandwidth=args.l3_bw * GB, l3_path_bw=args.path_bw * GB,
@@ -101,7 +107,7 @@ def fleet_config(args, distinct: int) -> FleetConfig:
                        perturb_sigma=args.perturb, overlap_load=args.overlap_load,
                        ttft_slo_base_s=float(args.ttft_slo.split(",")[0]),
                        ttft_slo_factor=float(args.ttft_slo.split(",")[1]),
-                       tbt_slo_s=args.tbt_slo)
+                       tbt_slo_s=args.tbt_slo, abandon_floor_s=floor, abandon_slo_factor=factor)
 
 
 def loads_to_run(args, wl, fleet, perf) -> tuple:
@@ -117,15 +123,18 @@ def loads_to_run(args, wl, fleet, perf) -> tuple:
         found = sweep.find_knee(wl, fleet, args.seed, perf)
         knee, probes = found.load, found.probes
         print(f"knee: load {knee:.3f} ({len(probes)} least-load runs, {time.time() - t0:.0f} s)")
-    factors = [float(x) for x in args.load_factors.split(",")]
     args.knee_probes = probes
-    return knee, [round(knee * f, 4) for f in factors]
+    return knee, [round(knee * f, 4) for f in factors(args)]
+
+
+def factors(args) -> list:
+    return [float(x) for x in args.load_factors.split(",")]
 
 
 def report(rows: list, checks: dict) -> None:
     cols = [("policy", ""), ("l3", ""), ("goodput", ".2f"), ("slo_ok", ".3f"), ("ttft_mean", ".2f"),
-            ("ttft_p90", ".2f"), ("tbt_p90", ".3f"), ("rejected", "d"), ("hit_gpu", ".3f"),
-            ("hit_host", ".3f"), ("hit_l3", ".3f")]
+            ("ttft_p90", ".2f"), ("tbt_p90", ".3f"), ("rejected", "d"), ("abandoned", "d"),
+            ("hit_gpu", ".3f"), ("hit_host", ".3f"), ("hit_l3", ".3f")]
     for x in sorted({r["x"] for r in rows}):
         print(f"\nload {x} x knee")
         print(table([dict(r, l3="yes" if r["l3"] else "no") for r in rows if r["x"] == x], cols))
@@ -154,9 +163,15 @@ def main() -> None:
     knee, loads = loads_to_run(args, wl, fleet, perf)
     t0 = time.time()
     rows = sweep.sweep(wl, fleet, names, loads, modes, args.seed, perf, args.jobs)
+    factor = {round(knee * f, 4): f for f in factors(args)} if knee else {}
     for r in rows:
-        r["x"] = round(r["load"] / knee, 4) if knee else r["load"]
+        r["x"] = factor.get(r["load"], round(r["load"] / knee, 4) if knee else r["load"])
     checks = targets.evaluate(rows) if knee else {}
+    collapse = None
+    if knee and args.collapse_check and fleet.abandon_floor_s + fleet.abandon_slo_factor > 0:
+        collapse = sweep.collapse_check(wl, fleet, knee, args.seed, perf, args.jobs)
+        print(f"without abandonment: highest load before collapse {collapse['highest_x']}x "
+              f"knee; ratios there {collapse['ratios']}")
     report(rows, checks)
     name = args.out or ("conversation" if args.trace == "conversation" else
                         "agents" if args.trace == "agents" else
@@ -169,7 +184,7 @@ def main() -> None:
                     "ttft_attainment": sweep.KNEE_ATTAINMENT,
                     "probes": getattr(args, "knee_probes", {})},
            "policies": names, "sweep_wall_s": round(time.time() - t0, 1),
-           "targets": checks, "rows": rows}
+           "targets": checks, "without_abandonment": collapse, "rows": rows}
     path = write_json(f"fleet_{name}.json", doc)
     png = os.path.join(RESULTS, f"fleet_{name}.png")
     plots.plot(rows, png, f"{source}: {args.instances} instances (solid: shared L3, dashed: none)")

@@ -4,7 +4,8 @@ the core is installed). A factory builds a fresh router for one run from the run
 the performance model and a seed.
 
 The admission control takes its slack after an ``@``: ``least_load+cap@1.5`` rejects past
-1.5 x the SLO (plain ``least_load+cap``: 1.0)."""
+1.5 x the SLO (plain ``least_load+cap``: 1.0). The core's ablations
+(``Conductor.ablations()``: conductor-no-work, ...) are selectable by name, not in "all"."""
 from __future__ import annotations
 
 from typing import Callable
@@ -32,8 +33,9 @@ BASELINES: dict[str, Factory] = {
 AFFINITY = ("cache_aware", "dynamo")
 
 
-def core_policies() -> dict[str, Factory]:
-    """The Conductor's variants, or none when the core is not there yet."""
+def core_policies(ablations: bool = False) -> dict[str, Factory]:
+    """The Conductor's variants (with ``ablations``: its ablations instead, each the default
+    with one term beyond Algorithm 1 removed), or none when the core is not there yet."""
     try:
         from hicache_mc.conductor.core import Conductor
     except ImportError:
@@ -42,7 +44,8 @@ def core_policies() -> dict[str, Factory]:
     def factory(config):
         return lambda view, perf, seed: Conductor(l3=view, config=config)
 
-    return {name: factory(config) for name, config in Conductor.variants().items()}
+    configs = Conductor.ablations() if ablations else Conductor.variants()
+    return {name: factory(config) for name, config in configs.items()}
 
 
 def all_policies() -> dict[str, Factory]:
@@ -57,7 +60,8 @@ def get(name: str) -> Factory:
         return lambda view, perf, seed: LengthCapRouter(perf, slack=value)
     if slack:
         raise KeyError(name)
-    return all_policies()[name]
+    known = all_policies()
+    return known[name] if name in known else core_policies(ablations=True)[name]
 
 
 def select(names: str) -> list[str]:
@@ -69,6 +73,7 @@ def select(names: str) -> list[str]:
         try:
             get(name)
         except (KeyError, ValueError):
-            raise SystemExit(f"unknown policy {name!r}; known: {', '.join(all_policies())} "
+            raise SystemExit(f"unknown policy {name!r}; known: {', '.join(all_policies())}, "
+                             f"{', '.join(core_policies(ablations=True))} "
                              "(and least_load+cap@<slack>)") from None
     return chosen

@@ -28,11 +28,12 @@ def goodput_table(doc: dict) -> str:
 
 def detail_table(doc: dict, x: float, l3: bool = True) -> str:
     cols = ("goodput", "slo_ok", "ttft_mean", "ttft_p90", "ttft_p99", "tbt_p90", "rejected",
-            "hit_gpu", "hit_host", "hit_l3")
+            "abandoned", "hit_gpu", "hit_host", "hit_l3")
     out = ["| policy | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for r in doc["rows"]:
         if r["x"] == x and r["l3"] == l3:
-            cells = [f"{r[c]:d}" if isinstance(r[c], int) else f"{r[c]:.3g}" for c in cols]
+            cells = [f"{r.get(c, 0):d}" if isinstance(r.get(c, 0), int) else f"{r[c]:.3g}"
+                     for c in cols]
             out.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -73,6 +74,10 @@ def main() -> None:
     print(targets_table(doc))
     print("\nmean TTFT (s), the paper's ordering:\n")
     print(ordering_table(doc))
+    collapse = doc.get("without_abandonment")
+    if collapse:
+        print(f"\nwithout abandonment: highest load before collapse {collapse['highest_x']}x, "
+              f"ratios there {collapse['ratios']}")
 
 
 if __name__ == "__main__":

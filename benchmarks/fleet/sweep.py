@@ -13,7 +13,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
 from hicache_mc.conductor.perf import PerfModel
@@ -122,3 +122,29 @@ def _line(row: dict) -> str:
 
 def default_jobs() -> int:
     return max(1, min(4, (os.cpu_count() or 1)))
+
+
+COLLAPSE_POLICIES = ("least_load", "cache_aware", "dynamo", "conductor")
+COLLAPSE_X = (1.0, 1.1, 1.25)
+
+
+def collapse_check(workload: Workload, fleet: FleetConfig, knee: float, seed: int,
+                   perf: PerfModel, jobs: int = 1) -> dict:
+    """The routing comparison without abandonment (clients wait forever), with the L3, near
+    the knee: the highest of ``COLLAPSE_X`` where some policy still meets both SLOs for half
+    its requests (past it, queues grow for the rest of the trace and all goodput is ~0), and
+    the core's goodput over cache_aware and Dynamo's there."""
+    patient = replace(fleet, abandon_floor_s=0.0, abandon_slo_factor=0.0)
+    names = [p for p in COLLAPSE_POLICIES if p in policies.all_policies()]
+    factor = {round(knee * x, 4): x for x in COLLAPSE_X}
+    rows = sweep(workload, patient, names, list(factor), (True,), seed, perf, jobs,
+                 progress=lambda line: None)
+    for r in rows:
+        r["x"] = factor[r["load"]]
+    alive = [x for x in COLLAPSE_X
+             if max(r["slo_ok"] for r in rows if r["x"] == x) >= 0.5]
+    top = max(alive) if alive else None
+    good = {r["policy"]: r["goodput"] for r in rows if r["x"] == top}
+    ratios = {f"conductor/{b}": round(good["conductor"] / good[b], 4)
+              for b in ("cache_aware", "dynamo") if good.get(b) and "conductor" in good}
+    return {"highest_x": top, "ratios": ratios, "rows": rows}

@@ -45,6 +45,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
     checks = targets.evaluate(rows)
     assert set(checks["pool_share"]) == set(names)
     json.dumps(checks)                                  # the results file takes it as is
+    collapse = sweep.collapse_check(wl, fleet, knee.load, 0, PERF)
+    assert collapse["highest_x"] in sweep.COLLAPSE_X + (None,)
+    assert all(r["abandoned"] == 0 for r in collapse["rows"])       # clients wait forever
     png = tmp_path / "fleet.png"
     plots.plot(rows, str(png), "tiny")
     assert png.stat().st_size > 10_000
