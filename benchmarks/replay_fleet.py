@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -147,8 +148,17 @@ def report(rows: list, checks: dict) -> None:
                   f"{e.get('value', e.get('ttft_mean'))}  {'met' if e['met'] else 'MISSED'}")
 
 
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when it has changes: the code the figures came from."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True).stdout
+    head = git("rev-parse", "--short", "HEAD").strip()
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
 def main() -> None:
     args = parse()
+    code = commit()
     perf = PerfModel()
     reqs, source = load_trace(args)
     if args.spread:
@@ -176,7 +186,7 @@ def main() -> None:
     name = args.out or ("conversation" if args.trace == "conversation" else
                         "agents" if args.trace == "agents" else
                         os.path.basename(args.trace).split(".")[0])
-    doc = {"command": " ".join(sys.argv), "trace": {"source": source, "requests": len(wl),
+    doc = {"command": " ".join(sys.argv), "commit": code, "trace": {"source": source, "requests": len(wl),
            "spread": args.spread,
            "distinct_blocks": wl.distinct_blocks, "ceiling": round(ceiling(reqs), 4)},
            "fleet": asdict(fleet), "perf": asdict(perf), "seed": args.seed,
