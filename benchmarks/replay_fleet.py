@@ -186,8 +186,8 @@ def main() -> None:
     name = args.out or ("conversation" if args.trace == "conversation" else
                         "agents" if args.trace == "agents" else
                         os.path.basename(args.trace).split(".")[0])
-    doc = {"command": " ".join(sys.argv), "commit": code, "trace": {"source": source, "requests": len(wl),
-           "spread": args.spread,
+    doc = {"command": " ".join(sys.argv), "commit": code,
+           "trace": {"source": source, "requests": len(wl), "spread": args.spread,
            "distinct_blocks": wl.distinct_blocks, "ceiling": round(ceiling(reqs), 4)},
            "fleet": asdict(fleet), "perf": asdict(perf), "seed": args.seed,
            "knee": {"load": knee, "policy": sweep.KNEE_POLICY,

@@ -136,8 +136,9 @@ class LengthCapRouter(LeastLoadRouter):
         predicted = self.queued_s[worker] + cost
         slo = req.ttft_slo_s if req.ttft_slo_s is not None else self.default_slo_s
         if predicted > self.slack * slo:
+            why = f"cold prefill {predicted:.2f} s > {self.slack} x {slo:.2f}"
             return api.Rejection(api.RejectReason.TTFT_SLO, retry_after_s=self.queued_s[worker],
-                                 reasons=f"cold prefill {predicted:.2f} s > {self.slack} x {slo:.2f}")
+                                 reasons=why)
         self.queued_s[worker] += cost
         self._cost[req.rid] = cost
         return self.send(req, worker)

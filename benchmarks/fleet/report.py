@@ -38,6 +38,19 @@ def detail_table(doc: dict, x: float, l3: bool = True) -> str:
     return "\n".join(out)
 
 
+def summary_table(doc: dict, l3: bool = True) -> str:
+    """Per policy and load: goodput / p90 TTFT (s) / rejected / abandoned."""
+    rows = [r for r in doc["rows"] if r["l3"] == l3]
+    xs = sorted({r["x"] for r in rows})
+    at = {(r["policy"], r["x"]): r for r in rows}
+    out = ["| policy | " + " | ".join(f"{x}x" for x in xs) + " |", "|---|" + "---|" * len(xs)]
+    for p in doc["policies"]:
+        cells = [f"{r['goodput']:.2f} / {r['ttft_p90']:.1f} / {r['rejected']:,} / "
+                 f"{r.get('abandoned', 0):,}" if (r := at.get((p, x))) else "" for x in xs]
+        out.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def targets_table(doc: dict) -> str:
     out = ["| check | load | L3 | value | target | met |", "|---|---|---|---|---|---|"]
     for name, entries in doc["targets"].items():
@@ -67,6 +80,8 @@ def main() -> None:
     doc = json.load(open(sys.argv[1]))
     print(f"knee: {doc['knee']['load']}\n\ngoodput (requests/s within both SLOs):\n")
     print(goodput_table(doc))
+    print("\nwith the L3: goodput / p90 TTFT (s) / rejected / abandoned:\n")
+    print(summary_table(doc))
     for x in (1.0, 1.5):
         print(f"\nat {x}x the knee, with the L3:\n")
         print(detail_table(doc, x))

@@ -117,7 +117,8 @@ def sweep(workload: Workload, fleet: FleetConfig, names: Sequence[str],
 def _line(row: dict) -> str:
     return (f"  {row['policy']:22} {'L3' if row['l3'] else 'no L3':5} load {row['load']:6.3f}: "
             f"goodput {row['goodput']:6.2f}/s  SLO {row['slo_ok']:.3f}  "
-            f"TTFT {row['ttft_mean']:6.2f} s  rejected {row['rejected']:5d}  ({row['cpu_s']:.1f} s)")
+            f"TTFT {row['ttft_mean']:6.2f} s  rejected {row['rejected']:5d}  "
+            f"({row['cpu_s']:.1f} s)")
 
 
 def default_jobs() -> int:

@@ -29,6 +29,11 @@ from sglang.srt.disaggregation.kv_events import (BlockStored, kv_event_namespace
 from sglang.srt.mem_cache.events import KVCacheEventRecorder, KvEventLoraNames  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode  # noqa: E402
 
+# SGLang's first hash loads its C++ extension (torch's cpp_extension loader: 5 s of CPU, 20 s
+# of wall on a busy 2-core host); paid once here at import, with SGLang's other imports, not
+# inside the first test that happens to call it.
+sg_utils.get_hash_str([0], None, page_size=1)
+
 U32 = st.integers(0, 2**32 - 1)
 TOKENS = st.lists(st.one_of(U32, st.integers(0, 200)), max_size=300)
 NAMES = st.one_of(st.none(), st.text(max_size=6))

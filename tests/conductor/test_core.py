@@ -176,7 +176,7 @@ def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
     now, sent, started = 0.0, [], []
     for k, (op, size, pick) in enumerate(ops):
         if op == "route":
-            req = request(f"r{k}", prompt=size * PT, chain=pages(size, f"r{k}"))
+            req = request(f"r{k}", prompt=size * PT, chain=pages(size, f"r{k}:"))
             preds = c.predict(req, now)
             d = c.route(req, now)
             least = min(p.queue_s for p in preds)
