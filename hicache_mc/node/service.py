@@ -260,10 +260,9 @@ class StorageNode(Service):
             self._to_master(P.HeartbeatRequest(self.node_id, self.stats()))
         self.store.maintain(now)
         self.grants.purge(now)
-        if self.dram.dropped:
-            dropped = self.store.drain_dropped()
-            if self._announced and dropped:     # else the inventory it registers with leaves them out
-                self._evicted(dropped)
+        dropped = self.store.drain_dropped()
+        if self._announced and dropped:     # else the inventory it registers with leaves them out
+            self._evicted(dropped)
         for req_id in [r for r, w in self._pending.items() if w[0] < now]:
             _, ident, client_req, _, failed = self._pending.pop(req_id)
             log.warning("the master did not acknowledge a request in %.0fs", MASTER_TIMEOUT_S)

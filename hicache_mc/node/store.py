@@ -29,7 +29,7 @@ import xxhash
 
 from ..keys import tenant_of
 from ..protocol import MAX_TENANTS, RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
-from .dram import DramTier, Obj
+from .dram import DramTier, Slot
 from .ssd import Job, SsdTier
 from .writeback import WriteBack
 
@@ -43,12 +43,12 @@ class TieredStore:
         self.ssd = ssd
         self.durability = durability if ssd else "none"
         self.fsync_interval_s = fsync_interval_s
-        dram.drop_dirty = ssd is None
+        dram.drop_dirty(ssd is None)
         self.writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
         self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
         self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
         self.reserved_bytes: dict[str, int] = defaultdict(int)  # tenant -> bytes reserved, not committed
-        self._settled = 0                                     # dram.dropped[:_settled] are out of usage
+        self._gone: list[tuple[str, int]] = []                # (key, size) left the node: tell the master
         self.quota_evictions = 0
         if ssd is not None:
             for key, rec in ssd.index.items():
@@ -57,57 +57,58 @@ class TieredStore:
     # ------------------------------------------------------------ lookups
 
     def contains(self, key: str) -> bool:
-        return key in self.dram.objects or (self.ssd is not None and key in self.ssd.index)
+        return key in self.dram or (self.ssd is not None and key in self.ssd.index)
 
     def meta(self, key: str) -> Optional[tuple[int, int]]:
         """(size, checksum) wherever the object lives."""
-        obj = self.dram.objects.get(key)
-        if obj is not None:
-            return obj.size, obj.checksum
+        slot = self.dram.get(key)
+        if slot is not None:
+            return slot.size, slot.checksum
         rec = self.ssd.index.get(key) if self.ssd else None
         return (rec.size, rec.checksum) if rec else None
 
     def unlease(self, key: str, offset: int) -> None:
         """A reader released its lease on ``key`` at ``offset``, or a writer gave back its
-        reservation (see DramTier.unlease)."""
-        given_back = self.dram.unlease(key, offset)
-        if given_back:
-            self.reserved_bytes[tenant_of(key)] -= given_back
+        reservation (``DramTier.give_back``, ``DramTier.release``)."""
+        slot = self.dram.give_back(key, offset)
+        if slot is not None:
+            self.reserved_bytes[tenant_of(key)] -= slot.size
+        else:
+            self.dram.release(key, offset)
 
-    def lease(self, key: str, now: float) -> Optional[Obj]:
+    def lease(self, key: str, now: float) -> Optional[Slot]:
         """The object in DRAM, leased (an SSD-only object is staged in first); None when
         absent, or when on SSD only and DRAM has no room to stage it now."""
-        obj = self.dram.lease(key, now)
-        if obj is not None or self.ssd is None:
-            return obj
+        slot = self.dram.lease(key, now)
+        if slot is not None or self.ssd is None:
+            return slot
         rec = self.ssd.get(key)
-        if rec is None:
+        if rec is None or self.dram.is_reserved(key):
             return None
-        if self.dram.reserve(key, rec.size, now, 0.0) < 0:
+        slot = self.dram.reserve(key, rec.size, now, 0.0)
+        self._collect()
+        if slot is None:
             return None
-        obj = self.dram.reserved[key][0]
-        if not self.ssd.read_into(rec, self.dram.view(obj)):
-            self.dram.reserved.pop(key)
-            self.dram._free(obj, now)
+        if not self.ssd.read_into(rec, self.dram.view(slot)):
+            self.dram.give_back(key, slot.offset)
             self._lost_on_ssd(key)
             return None
         self.dram.commit(key, rec.checksum)
-        obj.on_ssd = True
+        self.dram.set_on_ssd(key, True)
         self.ssd.counters["promotions"] += 1
         return self.dram.lease(key, now)
 
     def on_ssd_only(self, key: str) -> bool:
         """Whether the key is held on SSD and not in DRAM (a lease must stage it first)."""
-        return self.ssd is not None and key in self.ssd.index and key not in self.dram.objects
+        return self.ssd is not None and key in self.ssd.index and key not in self.dram
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
         rec = self.ssd.remove(key)
-        obj = self.dram.objects.get(key)
-        if obj is not None:
-            obj.on_ssd = False
+        if key in self.dram:
+            self.dram.set_on_ssd(key, False)
         else:
-            self.dram.dropped.append((key, rec.size if rec else 0))
+            self._left(key, rec.size if rec else 0)
 
     # ------------------------------------------------------------ writes
 
@@ -116,10 +117,10 @@ class TieredStore:
         stored right now (reserved, or with ``sync`` not yet on disk); None: absent."""
         if self.ssd is not None and key in self.ssd.index:
             return True
-        obj = self.dram.objects.get(key)
-        if obj is not None:
-            return obj.on_ssd or self.durability != "sync"
-        return False if key in self.dram.reserved else None
+        slot = self.dram.get(key)
+        if slot is not None:
+            return slot.on_ssd or self.durability != "sync"
+        return False if self.dram.is_reserved(key) else None
 
     def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
         state = self.durable(key)
@@ -127,42 +128,44 @@ class TieredStore:
             return RESERVE_STORED if state else RESERVE_BUSY
         if not self._within_quota(key, size, now):
             return RESERVE_FULL
-        offset = self.dram.reserve(key, size, now, hold_s)
-        if offset == -1:
-            offset = self.writeback.room_by_waiting(
+        slot = self.dram.reserve(key, size, now, hold_s)
+        if slot is None:
+            slot = self.writeback.room_by_waiting(
                 size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
-        if offset >= 0:
-            self.reserved_bytes[tenant_of(key)] += size
-        return offset
+        self._collect()
+        if slot is None:
+            return RESERVE_FULL
+        self.reserved_bytes[tenant_of(key)] += size
+        return slot.offset
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
                      max_value: int) -> list[int]:
         """``reserve`` for a batch (RESERVE_FULL for sizes out of 0..``max_value``). Keys not
         stored, not being stored and under no quota take one free range together
-        (``DramTier.reserve_fresh``); the rest, or all when no range is big enough, go
+        (``DramTier.reserve_row``); the rest, or all when no range is big enough, go
         key by key."""
         out = [RESERVE_FULL] * len(keys)
         fresh, seen = [], set()
-        objects, reserved = self.dram.objects, self.dram.reserved
+        dram = self.dram
         on_ssd = self.ssd.index if self.ssd is not None else {}
         for i, (key, size) in enumerate(zip(keys, sizes)):
             if size < 0 or size > max_value:
                 continue
-            if key in seen or key in objects or key in reserved or key in on_ssd or \
+            if key in seen or key in dram or dram.is_reserved(key) or key in on_ssd or \
                     (self.quotas and tenant_of(key) in self.quotas):
                 out[i] = None       # the careful way, below
             else:
                 fresh.append(i)
             seen.add(key)
         if fresh:
-            got = self.dram.reserve_fresh([keys[i] for i in fresh], [sizes[i] for i in fresh],
-                                          now, hold_s)
+            got = self.dram.reserve_row([keys[i] for i in fresh], [sizes[i] for i in fresh],
+                                        now, hold_s)
             if got is None:
                 for i in fresh:
                     out[i] = None
             else:
-                for i, off in zip(fresh, got):
-                    out[i] = off
+                for i, slot in zip(fresh, got):
+                    out[i] = slot.offset
                     self.reserved_bytes[tenant_of(keys[i])] += sizes[i]
         for i, off in enumerate(out):
             if off is None:
@@ -174,22 +177,17 @@ class TieredStore:
         return self.commit_many([key], [checksum])[0] is not None
 
     def commit_many(self, keys: list[str], checksums: list[int],
-                    offsets: Optional[list[int]] = None) -> list[Optional[Obj]]:
+                    offsets: Optional[list[int]] = None) -> list[Optional[Slot]]:
         """``commit`` for a batch: the committed object per key (None: nothing reserved, or,
         with ``offsets``, reserved at another offset: another writer's slot)."""
         out = []
         usage, charged, tenants = self.usage, self.reserved_bytes, {}
-        reserved, objects = self.dram.reserved, self.dram.objects
+        commit = self.dram.commit
         for i, (key, checksum) in enumerate(zip(keys, checksums)):
-            entry = reserved.get(key)
-            if entry is None or (offsets is not None and entry[0].offset != offsets[i]):
-                out.append(None)
-                continue
-            del reserved[key]
-            obj = entry[0]
-            obj.checksum = checksum
-            objects[key] = obj
+            obj = commit(key, checksum, None if offsets is None else offsets[i])
             out.append(obj)
+            if obj is None:
+                continue
             ns = key.partition("/")[0]
             tenant = tenants.get(ns)
             if tenant is None:
@@ -207,7 +205,6 @@ class TieredStore:
         quota = self.quotas.get(tenant)
         if quota is None:
             return True
-        self._settle()      # objects evicted since the last drain no longer count
         need = self.usage[tenant] + self.reserved_bytes[tenant] + size - quota
         if need <= 0:
             return True
@@ -216,8 +213,8 @@ class TieredStore:
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
             victims += [k for k in self.ssd.index
-                        if k not in self.dram.objects and tenant_of(k) == tenant]
-        victims += [k for k, o in self.dram.objects.items()
+                        if k not in self.dram and tenant_of(k) == tenant]
+        victims += [k for k, o in self.dram.items()
                     if not o.busy and tenant_of(k) == tenant]
         for k in victims:
             if need <= 0:
@@ -228,32 +225,33 @@ class TieredStore:
     def _evict_entirely(self, key: str, now: float) -> int:
         """Remove ``key`` from every tier of this node (the master is told); returns its size."""
         size = 0
-        obj = self.dram.objects.pop(key, None)
-        if obj is not None:
-            size = obj.size
-            self.dram._free(obj, now)
-            self.dram.evictions += 1
+        if key in self.dram:
+            size = self.dram.drop(key, now).size    # reported by _collect unless on SSD too
         rec = self.ssd.remove(key) if self.ssd is not None else None
         if rec is not None:
             size = rec.size
-        self.dram.dropped.append((key, size))
+            self._left(key, size)
+        self._collect()
         self.quota_evictions += 1
         return size
 
-    def _settle(self) -> None:
-        """Take the objects that left the node since the last call out of their tenants' usage."""
-        dropped = self.dram.dropped
-        for key, size in dropped[self._settled:]:
-            self.usage[tenant_of(key)] -= size
-        self._settled = len(dropped)
+    def _left(self, key: str, size: int) -> None:
+        """``key`` (``size`` bytes) left the node: out of its tenant's usage, and the master
+        is to hear of it."""
+        self.usage[tenant_of(key)] -= size
+        self._gone.append((key, size))
+
+    def _collect(self) -> None:
+        """The objects DRAM evicted with no copy on SSD have left the node."""
+        for key, size in self.dram.take_dropped():
+            self._left(key, size)
 
     def drain_dropped(self) -> list[str]:
         """Keys that left this node since the last call, for the master: not those stored
-        again meanwhile (their commit is reported already; this report must not undo it).
-        Updates usage."""
-        self._settle()
-        dropped, self.dram.dropped, self._settled = self.dram.dropped, [], 0
-        return [k for k, _ in dropped if not self.contains(k)]
+        again meanwhile (their commit is reported already; this report must not undo it)."""
+        self._collect()
+        gone, self._gone = self._gone, []
+        return [k for k, _ in gone if not self.contains(k)]
 
     # ------------------------------------------------------------ removal
 
@@ -262,9 +260,9 @@ class TieredStore:
             meta = self.meta(key)
             if meta is not None:
                 self.usage[tenant_of(key)] -= meta[0]
-        objects = self.dram.objects
+        dram = self.dram
         # objects on their way to disk: their records land before the tombstones queued here
-        writing = {k for k in keys if k in objects and objects[k].busy}
+        writing = {k for k in keys if (s := dram.get(k)) is not None and s.busy}
         gone = set(self.dram.remove(keys, now))
         if self.ssd is not None:
             on_disk = {k for k in keys if self.ssd.remove(k) is not None}
@@ -278,7 +276,7 @@ class TieredStore:
         (the same object) whose bytes do not match their checksum here either (a commit that
         named another checksum, bytes changed since). Returns the keys removed."""
         bad = [k for k, off in dict(zip(keys, offsets)).items()
-               if (obj := self.dram.objects.get(k)) is not None and obj.offset == off
+               if (obj := self.dram.get(k)) is not None and obj.offset == off
                and xxhash.xxh3_64_intdigest(self.dram.view(obj)) != obj.checksum]
         if bad:
             log.warning("%d objects do not match their checksums (e.g. %s); dropped them",
@@ -287,7 +285,7 @@ class TieredStore:
 
     def clear(self, prefix: str, now: float, tenant: Optional[str] = None) -> list[str]:
         """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None)."""
-        keys = set(k for k in self.dram.objects if k.startswith(prefix))
+        keys = set(k for k in self.dram.keys() if k.startswith(prefix))
         if self.ssd is not None:
             keys.update(k for k in self.ssd.index if k.startswith(prefix))
         if tenant is not None:
@@ -303,10 +301,13 @@ class TieredStore:
     def maintain(self, now: float) -> None:
         for key, size in self.dram.maintain(now):     # reservations that lapsed
             self.reserved_bytes[tenant_of(key)] -= size
-        self.writeback.maintain(now)
+        for key, size in self.writeback.maintain(now):
+            self._left(key, size)
+        self._collect()
 
     def poll_done(self, now: float) -> None:
         self.writeback.poll_done(now)
+        self._collect()
 
     def next_request(self) -> None:
         self.writeback.next_request()
@@ -314,7 +315,7 @@ class TieredStore:
     # ------------------------------------------------------------ reporting
 
     def inventory(self) -> list[tuple[str, int, int]]:
-        items = {k: (o.size, o.checksum) for k, o in self.dram.objects.items()}
+        items = {k: (o.size, o.checksum) for k, o in self.dram.items()}
         if self.ssd is not None:
             for k, r in self.ssd.index.items():
                 items.setdefault(k, (r.size, r.checksum))
@@ -322,10 +323,10 @@ class TieredStore:
 
     def stats(self) -> dict:
         st = self.dram.stats()
-        st["objects"] = len(self.dram.objects)
+        st["objects"] = len(self.dram)
         if self.ssd is not None:
             st.update(self.ssd.stats())
-            st["objects_total"] = len(set(self.dram.objects) | set(self.ssd.index))
+            st["objects_total"] = len(set(self.dram.keys()) | set(self.ssd.index))
         else:
             st["objects_total"] = st["objects"]
         st["tenants"] = top_tenants(self.usage)

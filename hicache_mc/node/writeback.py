@@ -24,7 +24,7 @@ import queue
 import time
 from typing import Callable, NamedTuple, Optional
 
-from .dram import DramTier, Obj
+from .dram import DramTier, Slot
 from .ssd import Job, SsdTier
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ ROOM_WAIT_S = 1.0               # longest one request waits for the SSD writer t
 class Writing(NamedTuple):
     """The tag of a write-through or demotion job."""
     demote: bool
-    objs: list[Obj]             # the DRAM object of each item, marked busy until applied
+    objs: list[Slot]            # the DRAM object of each item, held until applied
     waiter: object = None       # a sync write's waiter: answered through ``finished``
 
 
@@ -79,54 +79,52 @@ class WriteBack:
             return False
         items, objs = [], []
         for key in keys:     # just committed: the key's object is the one to write
-            obj = self.dram.objects.get(key)
-            if obj is not None and not obj.on_ssd:
-                obj.busy += 1
-                items.append((key, self.dram.view(obj), obj.checksum))
-                objs.append(obj)
+            slot = self.dram.get(key)
+            if slot is not None and not slot.on_ssd:
+                items.append((key, self.dram.start_writing(slot), slot.checksum))
+                objs.append(slot)
         sync = self.durability == "sync"
         self.ssd.writer.jobs.put(Job("append", items, fsync=sync,
                                      tag=Writing(False, objs, waiter if sync else None)))
         return sync
 
-    def maintain(self, now: float) -> None:
-        """Demote, evict and compact as the watermarks say; the periodic fsync of ``async``."""
+    def maintain(self, now: float) -> list[tuple[str, int]]:
+        """Demote, evict and compact as the watermarks say; the periodic fsync of ``async``.
+        Returns (key, size) of the objects that left the node (evicted from SSD, not in DRAM)."""
         if self.ssd is None:
-            return
+            return []
         self._demote(now)
+        gone = []
         for key, size in self.ssd.evict():
-            obj = self.dram.objects.get(key)
-            if obj is not None:
-                obj.on_ssd = False
+            if key in self.dram:
+                self.dram.set_on_ssd(key, False)
             else:
-                self.dram.dropped.append((key, size))
+                gone.append((key, size))
         self._compact()
         if self.durability == "async" and now >= self._next_fsync:
             self._next_fsync = now + self.fsync_interval_s
             self.ssd.writer.jobs.put(Job("fsync"))
+        return gone
 
     def _demote(self, now: float, excess: Optional[int] = None) -> None:
         dram = self.dram
         if excess is None:
-            if dram.alloc.used <= dram.high:
-                return
-            excess = dram.alloc.used - dram._quarantined_bytes - dram.low
+            excess = dram.excess()
         if excess <= 0 or self._demoting:
             return
         items, objs, batch = [], [], 0
-        for key, obj in list(dram.objects.items()):
+        for key, slot in dram.items():
             if excess <= 0 or batch >= DEMOTE_BATCH_BYTES:
                 break
-            if obj.busy:
+            if slot.busy:
                 continue
-            excess -= obj.size
-            if obj.on_ssd:
+            excess -= slot.size
+            if slot.on_ssd:
                 dram.drop(key, now)
             elif self._disk_ok or now >= self._disk_retry_at:
-                obj.busy += 1
-                items.append((key, dram.view(obj), obj.checksum))
-                objs.append(obj)
-                batch += obj.size
+                items.append((key, dram.start_writing(slot), slot.checksum))
+                objs.append(slot)
+                batch += slot.size
             else:
                 dram.drop(key, now)    # the disk failed: fall back to dropping
         if items:
@@ -173,11 +171,13 @@ class WriteBack:
         elif isinstance(job.tag, Compaction):
             self._compacted(job, job.tag)
 
-    def room_by_waiting(self, size: int, now: float, reserve) -> int:
+    def room_by_waiting(self, size: int, now: float,
+                        reserve: Callable[[], Optional[Slot]]) -> Optional[Slot]:
         """Back-pressure: DRAM is full of objects not yet on disk. Demote the oldest and wait
-        for the writer (bounded) rather than drop what was acknowledged or fail the put."""
+        for the writer (bounded) rather than drop what was acknowledged or fail the put;
+        ``reserve`` tries again after each finished job (None: no room yet)."""
         if self.ssd is None or not self._disk_ok:
-            return -1
+            return None
         # one budget per node-loop turn: a batch of writes must not hold the loop (and the
         # heartbeats) for long, or the master would take the node for dead
         if self._wait_turn != self._turn:
@@ -189,21 +189,21 @@ class WriteBack:
         finally:
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - start))
 
-    def _wait_for_room(self, now: float, end: float, size: int, reserve) -> int:
+    def _wait_for_room(self, now: float, end: float, size: int, reserve) -> Optional[Slot]:
         while True:
             self._demote(now, excess=size)
             left = end - time.monotonic()
             if left <= 0:
-                return -1
+                return None
             try:
                 job = self.ssd.writer.done.get(timeout=left)
             except queue.Empty:
-                return -1
+                return None
             now = time.monotonic()
             self._apply(job, now)
-            offset = reserve()
-            if offset != -1 or not self._disk_ok:
-                return offset
+            slot = reserve()
+            if slot is not None or not self._disk_ok:
+                return slot
 
     def _disk_status(self, job: Job) -> None:
         if job.error and self._disk_ok:
@@ -220,7 +220,7 @@ class WriteBack:
             self.problem = ""
         if job.error:
             self.ssd.counters["write_errors"] += 1
-        self.dram.drop_dirty = not self._disk_ok   # with no disk to demote to, drop like a cache
+        self.dram.drop_dirty(not self._disk_ok)   # with no disk to demote to, drop like a cache
 
     def _written(self, job: Job, tag: Writing, now: float) -> None:
         """Apply a write-through or demotion to the objects it was started for. One removed
@@ -228,13 +228,13 @@ class WriteBack:
         tombstone ``TieredStore.remove`` queued behind it."""
         recs = [rec for _, rec in job.result]
         recs += [None] * (len(job.items) - len(recs))      # a failed job stops part way
-        for (key, _, _), obj, rec in zip(job.items, tag.objs, recs):
-            if rec is not None and not obj.removed:
+        for (key, _, _), slot, rec in zip(job.items, tag.objs, recs):
+            on_disk = rec is not None and not slot.removed
+            if on_disk:
                 self.ssd.add(key, rec)
-                obj.on_ssd = True
                 self.ssd.counters["demotions"] += tag.demote
-            self.dram.release(obj, now)
-            if tag.demote and obj.on_ssd and not obj.busy and self.dram.objects.get(key) is obj:
+            self.dram.written(slot, on_disk, now)
+            if tag.demote and slot.on_ssd and not slot.busy and self.dram.get(key) is slot:
                 self.dram.drop(key, now)
         if tag.demote:
             self._demoting = False

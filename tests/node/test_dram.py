@@ -16,18 +16,18 @@ def tier(tmp_path):
 
 def put(t, key, size, now, fill=1):
     """Reserve, copy and commit, as a writer does; False when there is no room."""
-    offset = t.reserve(key, size, now, hold_s=1.0)
-    if offset < 0:
+    slot = t.reserve(key, size, now, hold_s=1.0)
+    if slot is None:
         return False
-    t.mm[offset: offset + size] = bytes([fill]) * size
-    return t.commit(key, checksum=fill)
+    t.view(slot)[:] = bytes([fill]) * size
+    return t.commit(key, checksum=fill) is slot
 
 
 def test_commit_and_lease(tier):
     assert put(tier, "a", 1000, 0.0, fill=7)
     obj = tier.lease("a", 0.0)
     assert bytes(tier.view(obj)) == bytes([7]) * 1000
-    assert tier.reserve("a", 10, 0.0, 1.0) == -2       # stored: nothing to write
+    assert "a" in tier and tier.get("a") is obj
     assert tier.lease("missing", 0.0) is None
 
 
@@ -36,7 +36,7 @@ def test_lru_eviction_when_full_reports_dropped(tier):
         assert put(tier, f"k{i}", 256 << 10, now=10.0 + i)
     tier.lease("k0", 20.0)                               # k0 becomes most recent ...
     assert put(tier, "k4", 256 << 10, now=30.0)          # ... so k1 is evicted, not k0
-    assert ("k1", 256 << 10) in tier.dropped and "k0" in tier.objects
+    assert tier.take_dropped() == [("k1", 256 << 10)] and "k0" in tier
     assert tier.evictions == 1
 
 
@@ -44,8 +44,8 @@ def test_watermark_eviction_in_maintain(tier):
     for i in range(15):
         assert put(tier, f"k{i}", 64 << 10, now=float(i))
     tier.maintain(100.0)
-    assert tier.alloc.used <= tier.low
-    assert "k14" in tier.objects and "k0" not in tier.objects
+    assert tier.used <= tier.low
+    assert "k14" in tier and "k0" not in tier
 
 
 def test_leased_slot_is_quarantined_not_reused(tier):
@@ -59,16 +59,15 @@ def test_leased_slot_is_quarantined_not_reused(tier):
     # a new object cannot take k0's slot before the lease ends
     for i in range(3):
         o = tier.reserve(f"n{i}", 256 << 10, 5.6, 1.0)
-        assert o != off
-    assert tier.reserve("n3", 256 << 10, 5.7, 1.0) == -1  # only the quarantined slot is left
-    assert tier.reserve("n4", 256 << 10, 6.1, 1.0) == off  # lease over: reusable
+        assert o.offset != off
+    assert tier.reserve("n3", 256 << 10, 5.7, 1.0) is None  # only the quarantined slot is left
+    assert tier.reserve("n4", 256 << 10, 6.1, 1.0).offset == off  # lease over: reusable
 
 
 def test_expired_reservation_is_reclaimed(tier):
-    off = tier.reserve("r", 1000, now=0.0, hold_s=1.0)
-    assert off >= 0
-    tier.maintain(2.0)
-    assert "r" not in tier.reserved and not tier.commit("r", 1)
+    assert tier.reserve("r", 1000, now=0.0, hold_s=1.0) is not None
+    assert tier.maintain(2.0) == [("r", 1000)]
+    assert not tier.is_reserved("r") and tier.commit("r", 1) is None
 
 
 def test_released_lease_frees_a_removed_slot_at_once(tier):
@@ -77,10 +76,9 @@ def test_released_lease_frees_a_removed_slot_at_once(tier):
     obj = tier.lease("k0", now=5.0)
     tier.remove(["k0"], now=5.1)                         # leased: quarantined until 6.0
     assert tier.stats()["quarantined"] == 1
-    tier.unlease("k0", obj.offset)                        # the reader is done
+    tier.release("k0", obj.offset)                        # the reader is done
     assert tier.stats()["quarantined"] == 0
-    assert tier._quarantined_bytes == 0
-    assert tier.reserve("n", 256 << 10, 5.2, 1.0) == obj.offset   # reused, nothing evicted
+    assert tier.reserve("n", 256 << 10, 5.2, 1.0).offset == obj.offset   # reused, nothing evicted
     assert tier.evictions == 0
 
 
@@ -89,25 +87,26 @@ def test_slot_stays_protected_while_another_reader_holds_it(tier):
     obj = tier.lease("a", now=1.0)
     tier.lease("a", now=1.1)                              # a second reader
     tier.remove(["a"], now=1.2)
-    tier.unlease("a", obj.offset)
+    tier.release("a", obj.offset)
     assert tier.stats()["quarantined"] == 1               # the second reader still copies
-    tier.unlease("a", obj.offset)
+    tier.release("a", obj.offset)
     assert tier.stats()["quarantined"] == 0
-    tier.unlease("a", obj.offset)                         # a stray release changes nothing
+    tier.release("a", obj.offset)                         # a stray release changes nothing
 
 
 def test_release_does_not_free_a_reused_slot_or_an_expired_reservation(tier):
     assert put(tier, "a", 1000, now=0.0)
     obj = tier.lease("a", now=1.0)
     tier.remove(["a"], now=1.1)
-    tier.unlease("a", obj.offset)                         # slot free again ...
+    tier.release("a", obj.offset)                         # slot free again ...
     assert put(tier, "b", 1000, now=1.2)                  # ... and reused by b
-    assert tier.objects["b"].offset == obj.offset
-    tier.unlease("a", obj.offset)                         # a late duplicate must not touch b
-    assert "b" in tier.objects and tier.alloc.used >= 1000
-    off = tier.reserve("r", 1000, now=2.0, hold_s=1.0)
+    assert tier.get("b").offset == obj.offset
+    tier.release("a", obj.offset)                         # a late duplicate must not touch b
+    assert "b" in tier and tier.used >= 1000
+    off = tier.reserve("r", 1000, now=2.0, hold_s=1.0).offset
     tier.maintain(3.5)                                    # expired: held for one lease
-    tier.unlease("r", off)                                # nobody leased it: still held
+    assert tier.give_back("r", off) is None               # no longer reserved
+    tier.release("r", off)                                # nobody leased it: still held
     assert tier.stats()["quarantined"] == 1
     tier.maintain(10.0)
     assert tier.stats()["quarantined"] == 0
@@ -117,43 +116,43 @@ def test_quarantine_entry_of_a_released_slot_is_skipped_later(tier):
     assert put(tier, "a", 1000, now=0.0)
     obj = tier.lease("a", now=1.0)                        # until 2.0
     tier.remove(["a"], now=1.1)
-    tier.unlease("a", obj.offset)
+    tier.release("a", obj.offset)
     assert put(tier, "b", 1000, now=1.2)                  # takes the slot
     tier.lease("b", now=1.3)                              # until 2.3
     tier.remove(["b"], now=1.4)                           # quarantined again, same offset
     tier.maintain(2.1)                                    # a's stale heap entry pops: b stays held
     assert tier.stats()["quarantined"] == 1
     tier.maintain(2.4)
-    assert tier.stats()["quarantined"] == 0 and tier._quarantined_bytes == 0
+    assert tier.stats()["quarantined"] == 0 and tier.excess() == 0
 
 
 def test_writer_gives_back_an_unfilled_reservation(tier):
-    off = tier.reserve("r", 4096, now=0.0, hold_s=10.0)
-    used = tier.alloc.used
-    tier.unlease("r", off + 256)                          # wrong offset: not this reservation
-    assert "r" in tier.reserved
-    tier.unlease("r", off)
-    assert "r" not in tier.reserved and tier.alloc.used < used
-    assert not tier.commit("r", 1)
+    off = tier.reserve("r", 4096, now=0.0, hold_s=10.0).offset
+    used = tier.used
+    assert tier.give_back("r", off + 256) is None         # wrong offset: not this reservation
+    assert tier.is_reserved("r")
+    assert tier.give_back("r", off).size == 4096
+    assert not tier.is_reserved("r") and tier.used < used
+    assert tier.commit("r", 1) is None
 
 
-def test_reserve_fresh_cuts_one_range_and_frees_slot_by_slot(tier):
-    offs = tier.reserve_fresh(["a", "b", "c"], [1000, 256, 1], now=0.0, hold_s=1.0)
+def test_reserve_row_cuts_one_range_and_frees_slot_by_slot(tier):
+    offs = [s.offset for s in tier.reserve_row(["a", "b", "c"], [1000, 256, 1], now=0.0, hold_s=1.0)]
     assert offs == [offs[0], offs[0] + 1024, offs[0] + 1280]          # in a row, 256-aligned
-    assert tier.alloc.used == 1536 and set(tier.reserved) == {"a", "b", "c"}
+    assert tier.used == 1536 and all(tier.is_reserved(k) for k in "abc")
     assert tier.commit("b", 5)
-    tier.unlease("a", offs[0])                  # a writer gives a slot back
+    tier.give_back("a", offs[0])                # a writer gives a slot back
     tier.remove(["b"], 0.0)
-    tier.unlease("c", offs[2])
-    assert tier.alloc.used == 0 and tier.alloc.largest_free() == tier.capacity
+    tier.give_back("c", offs[2])
+    assert tier.used == 0 and tier.reserve("all", tier.capacity, 0.0, 1.0) is not None
 
 
-def test_reserve_fresh_declines_rather_than_evict(tier):
+def test_reserve_row_declines_rather_than_evict(tier):
     for i in range(3):
         assert put(tier, f"k{i}", 256 << 10, now=float(i))
     # 512 KiB would need an eviction: declined, the key-by-key path decides
-    assert tier.reserve_fresh(["x", "y"], [256 << 10] * 2, now=5.0, hold_s=1.0) is None
-    assert tier.evictions == 0 and not tier.reserved
+    assert tier.reserve_row(["x", "y"], [256 << 10] * 2, now=5.0, hold_s=1.0) is None
+    assert tier.evictions == 0 and not tier.is_reserved("x")
 
 
 def test_the_segment_file_is_the_nodes_own(tmp_path):

@@ -27,7 +27,7 @@ def put(st, key, data, now, persist=True):
     """Reserve, copy and commit, as a writer does."""
     off = st.reserve_many([key], [len(data)], now, 5.0, 16 * MiB)[0]
     assert off >= 0, (key, off)
-    st.dram.mm[off: off + len(data)] = data
+    st.dram.view(st.dram.reservation(key))[:] = data
     assert st.commit_many([key], [checksum(data)])[0] is not None
     if persist:
         st.persist([key])
@@ -57,11 +57,11 @@ def test_writes_beyond_dram_wait_for_the_disk_instead_of_failing(store):
     for i, (k, b) in enumerate(blobs.items()):
         put(store, k, b, now=float(i))
     wait_on_ssd(store, blobs)
-    assert store.dram.dropped == []                 # nothing acknowledged was dropped
+    assert store.drain_dropped() == []              # nothing acknowledged was dropped
     for k, b in blobs.items():                      # SSD-only ones are staged back into DRAM
         assert read(store, k, 100.0) == b, k
     assert store.ssd.counters["promotions"] >= 40 - 8
-    assert store.dram.dropped == []
+    assert store.drain_dropped() == []
     assert store.stats()["tenants"] == {"": 40 * MiB}
 
 
@@ -72,13 +72,13 @@ def test_an_ssd_only_object_without_dram_room_to_stage_is_a_miss(store):
     # 8 MiB of objects not on disk (never persisted): "cold", on disk, is evicted for them
     for i in range(8):
         put(store, f"hot{i}", bytes([i]) * MiB, now=1.0, persist=False)
-    assert "cold" not in store.dram.objects and "cold" in store.ssd.index
+    assert "cold" not in store.dram and "cold" in store.ssd.index
     assert store.lease("cold", 2.0) is None         # nothing in DRAM may go to make room
-    assert "cold" in store.ssd.index and store.dram.dropped == []   # a miss, not a loss
-    assert not store.dram.reserved                  # the staging slot was not left behind
+    assert "cold" in store.ssd.index and store.drain_dropped() == []   # a miss, not a loss
+    assert not store.dram.is_reserved("cold")       # the staging slot was not left behind
     store.remove(["hot0"], 3.0)
     assert read(store, "cold", 3.0) == cold         # room again: staged
-    assert store.dram.objects["cold"].on_ssd
+    assert store.dram.get("cold").on_ssd
 
 
 def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
@@ -90,8 +90,7 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
         data = b"z" * 1000
         assert st.reserve("k", 1000, 0.0, 5.0) >= 0           # writer 1 is copying
         assert st.reserve("k", 1000, 0.0, 5.0) == -4          # writer 2: busy, not acknowledged
-        off = dram.reserved["k"][0].offset
-        dram.mm[off: off + 1000] = data
+        dram.view(dram.reservation("k"))[:] = data
         assert st.commit("k", checksum(data))
         assert st.reserve("k", 1000, 0.0, 5.0) == -4          # sync: in DRAM, not yet on disk
         st.persist(["k"], waiter="w")
@@ -129,7 +128,7 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         a, b = st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB)
         got = st.commit_many(["o/a", "o/b"], [1, 2], [a, a])
         assert got[0].offset == a and got[1] is None
-        assert st.dram.reserved["o/b"][0].offset == b           # still the other writer's
+        assert st.dram.reservation("o/b").offset == b           # still the other writer's
         assert st.commit_many(["o/b"], [2], [b])[0].offset == b
     finally:
         st.close()
@@ -154,7 +153,7 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(q
     # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
     b, c = st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB)
     assert b >= 0 and c == -1
-    assert "ns@t/a" not in dram.objects and "other/x" in dram.objects
+    assert "ns@t/a" not in dram and "other/x" in dram
     assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
     assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
 
@@ -178,7 +177,7 @@ def test_reservations_count_against_the_quota_until_committed_or_given_back(quot
     st.unlease("ns@t/a", a)                  # given back unfilled: credited back
     assert st.reserved_bytes["t"] == 400
     st.maintain(6.0)                         # "b" lapsed: credited back
-    assert st.reserved_bytes["t"] == 0 and not dram.reserved
+    assert st.reserved_bytes["t"] == 0 and not dram.is_reserved("ns@t/b")
     c, d = st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB)
     assert c >= 0 and d >= 0
     assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
@@ -193,7 +192,7 @@ def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
     # "d" evicts "a"; "e" then needs room for 300 more, which "b" alone makes
     d, e = st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB)
     assert d >= 0 and e >= 0
-    assert sorted(dram.objects) == ["ns@t/c"]
+    assert sorted(dram.keys()) == ["ns@t/c"]
     assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
 
 
@@ -206,7 +205,7 @@ def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_valu
     put(store, "k", old, now=0.0)                   # its write-through is queued, not applied
     assert store.clear("", 0.0) == ["k"]
     put(store, "k", new, now=0.0)
-    obj = store.dram.objects["k"]
+    obj = store.dram.get("k")
     end = time.monotonic() + 10                     # both writes done and applied
     while obj.busy != 0 or not (store.ssd.writer.jobs.empty() and store.ssd.writer.done.empty()):
         assert time.monotonic() < end, f"busy {obj.busy}"
@@ -218,7 +217,7 @@ def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_valu
     assert read(store, "k", 2.0) == new             # staged back from SSD: the new record
     assert store.clear("", 3.0) == ["k"]
     store.poll_done(4.0)
-    assert store.dram.alloc.used == 0 and not store.dram._held
+    assert store.dram.used == 0 and store.dram.stats()["quarantined"] == 0
 
 
 def test_a_sync_write_cleared_before_it_reaches_the_disk_is_not_acknowledged(tmp_path):
@@ -267,12 +266,12 @@ def test_an_object_a_reader_found_damaged_is_dropped_only_if_it_is(tmp_path):
     st = TieredStore(dram, None, "none", 1.0)
     try:
         put(st, "k", b"a" * 1000, 0.0)
-        off = dram.objects["k"].offset
+        off = dram.get("k").offset
         assert st.drop_damaged(["k"], [off], 0.0) == []         # intact: the reader's fault
         dram.mm[off] ^= 0xFF
         assert st.drop_damaged(["k"], [off + 256], 0.0) == []   # another object's offset
         assert st.drop_damaged(["k", "k"], [off, off], 0.0) == ["k"]
-        assert "k" not in dram.objects and st.usage[""] == 0
+        assert "k" not in dram and st.usage[""] == 0
         put(st, "k", b"a" * 1000, 1.0)                          # a re-put stores it again
         assert read(st, "k", 1.0) == b"a" * 1000
     finally:
