@@ -70,14 +70,13 @@ def tier(folder, data, size):
         mv = memoryview(data)
         items = [(f"obj/{i}", mv[i:i + size], checksum(mv[i:i + size])) for i in range(0, len(data), size)]
         t0 = time.perf_counter()
-        ssd.writer.jobs.put(Job("append", items, fsync=True))
-        job = ssd.writer.done.get()
+        ssd.submit(Job("append", items, fsync=True))
+        job = ssd.next_done(timeout=None)
         write = time.perf_counter() - t0
         assert job.error is None, job.error
         recs = dict(job.result)
         for k, r in recs.items():
             ssd.add(k, r)
-        ssd.note_sizes(job.seg_sizes)
         out = memoryview(bytearray(size))
 
         def read():
@@ -86,7 +85,7 @@ def tier(folder, data, size):
                 assert ssd.read_into(recs[k], out)
             return time.perf_counter() - t
         warm = read()
-        drop_cache([ssd.path(s) for s in ssd.seg_sizes])
+        drop_cache(sorted({ssd.path(r.seg) for r in recs.values()}))
         cold = read()
         return write, warm, cold
     finally:

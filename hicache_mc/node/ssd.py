@@ -215,16 +215,17 @@ class SsdTier:
         self.high = int(capacity * high_watermark)
         self.low = int(capacity * low_watermark)
         self._lock_fd = self._lock(directory)
-        self.index: "OrderedDict[str, Rec]" = OrderedDict()   # LRU order: oldest first
-        self.seg_sizes: dict[int, int] = {}                     # bytes on disk per segment
-        self.seg_live: dict[int, int] = {}                      # live value bytes per segment
-        self.compacting: set[int] = set()
+        self._index: "OrderedDict[str, Rec]" = OrderedDict()   # LRU order: oldest first
+        self._seg_sizes: dict[int, int] = {}                    # bytes on disk per segment
+        self._seg_live: dict[int, int] = {}                     # live value bytes per segment
+        self._compacting: set[int] = set()
         self._fds: dict[int, int] = {}
-        self.counters = {"demotions": 0, "promotions": 0, "compactions": 0, "evictions": 0,
-                         "corrupt": 0, "write_errors": 0}
+        self._counters = {"demotions": 0, "promotions": 0, "compactions": 0, "evictions": 0,
+                          "corrupt": 0, "write_errors": 0}
+        self._submitted = self._taken = 0     # jobs (see idle)
         last = self._recover()
-        self.writer = SsdWriter(directory, last + 1, segment_bytes, wake)
-        self.writer.start()
+        self._writer = SsdWriter(directory, last + 1, segment_bytes, wake)
+        self._writer.start()
 
     @staticmethod
     def _lock(directory: str) -> int:
@@ -254,20 +255,20 @@ class SsdTier:
         too_long = 0
         for seg in segs:
             path = self.path(seg)
-            self.seg_sizes[seg] = os.path.getsize(path)
-            self.seg_live.setdefault(seg, 0)
+            self._seg_sizes[seg] = os.path.getsize(path)
+            self._seg_live.setdefault(seg, 0)
             for kind, key, rec in scan_segment(path, seg):
                 if len(key) > MAX_KEY_BYTES:    # (written before keys were limited) no
                     too_long += 1               # message could name it to the master
                     continue
-                old = self.index.pop(key, None)
+                old = self._index.pop(key, None)
                 if old is not None:
-                    self.seg_live[old.seg] -= old.size
+                    self._seg_live[old.seg] -= old.size
                 if kind == KIND_OBJECT:
-                    self.index[key] = rec
-                    self.seg_live[seg] += rec.size
+                    self._index[key] = rec
+                    self._seg_live[seg] += rec.size
         if segs:
-            log.info("ssd tier %s: recovered %d objects from %d segments", self.dir, len(self.index), len(segs))
+            log.info("ssd tier %s: recovered %d objects from %d segments", self.dir, len(self._index), len(segs))
         if too_long:
             log.warning("ssd tier %s: left out %d records whose keys are over %d characters",
                         self.dir, too_long, MAX_KEY_BYTES)
@@ -280,30 +281,72 @@ class SsdTier:
 
     @property
     def used(self) -> int:
-        return sum(self.seg_sizes.values())
+        return sum(self._seg_sizes.values())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self):
+        return self._index.keys()
+
+    def items(self):
+        """(key, record) pairs, least recently used first."""
+        return self._index.items()
 
     def get(self, key: str, touch: bool = True) -> Optional[Rec]:
-        rec = self.index.get(key)
+        rec = self._index.get(key)
         if rec is not None and touch:
-            self.index.move_to_end(key)
+            self._index.move_to_end(key)
         return rec
 
     def add(self, key: str, rec: Rec) -> None:
         self.remove(key)
-        self.index[key] = rec
-        self.seg_live[rec.seg] = self.seg_live.get(rec.seg, 0) + rec.size
+        self._index[key] = rec
+        self._seg_live[rec.seg] = self._seg_live.get(rec.seg, 0) + rec.size
 
     def remove(self, key: str) -> Optional[Rec]:
-        rec = self.index.pop(key, None)
+        rec = self._index.pop(key, None)
         if rec is not None:
-            self.seg_live[rec.seg] -= rec.size
+            self._seg_live[rec.seg] -= rec.size
         return rec
 
-    def note_sizes(self, seg_sizes: dict) -> None:
+    def count(self, event: str, n: int = 1) -> None:
+        """Count ``n`` events (demotions, promotions, compactions, corrupt, write_errors)."""
+        self._counters[event] += n
+
+    # ------------------------------------------------------------ the writer thread
+
+    def submit(self, job: Job) -> None:
+        """Queue a job for the writer thread (jobs run in the order submitted)."""
+        self._submitted += 1
+        self._writer.jobs.put(job)
+
+    def next_done(self, timeout: Optional[float] = 0.0) -> Optional[Job]:
+        """The next finished job, waiting up to ``timeout`` seconds (None: for ever); None
+        when none finished in time. The seen segment sizes are taken in first."""
+        try:
+            job = self._writer.done.get(timeout=timeout) if timeout != 0.0 else \
+                self._writer.done.get_nowait()
+        except queue.Empty:
+            return None
+        self._taken += 1
+        self._note_sizes(job.seg_sizes)
+        if job.error:
+            self._counters["write_errors"] += 1
+        return job
+
+    def idle(self) -> bool:
+        """Whether every submitted job has finished and been taken."""
+        return self._taken == self._submitted
+
+    def _note_sizes(self, seg_sizes: dict) -> None:
         for seg, size in seg_sizes.items():
-            if size or seg in self.seg_sizes:
-                self.seg_sizes[seg] = size
-                self.seg_live.setdefault(seg, 0)
+            if size or seg in self._seg_sizes:
+                self._seg_sizes[seg] = size
+                self._seg_live.setdefault(seg, 0)
 
     # ------------------------------------------------------------ reads
 
@@ -321,7 +364,7 @@ class SsdTier:
             log.warning("ssd read failed (%s): treated as a miss", exc)
             return False
         if n != rec.size or xxhash.xxh3_64_intdigest(out) != rec.checksum:
-            self.counters["corrupt"] += 1
+            self._counters["corrupt"] += 1
             return False
         return True
 
@@ -337,25 +380,37 @@ class SsdTier:
         if self.used <= self.high:
             return []
         gone = []
-        live = sum(self.seg_live.values())
-        while self.index and live > self.low:
-            key, rec = self.index.popitem(last=False)
-            self.seg_live[rec.seg] -= rec.size
+        live = sum(self._seg_live.values())
+        while self._index and live > self.low:
+            key, rec = self._index.popitem(last=False)
+            self._seg_live[rec.seg] -= rec.size
             live -= rec.size
             gone.append((key, rec.size))
-        self.counters["evictions"] += len(gone)
+        self._counters["evictions"] += len(gone)
         return gone
+
+    def compacting(self) -> bool:
+        """Whether a segment is being compacted now."""
+        return bool(self._compacting)
 
     def reclaimable(self) -> list[int]:
         """Closed segments worth compacting (under half live), emptiest first."""
-        active = self.writer.seg
-        segs = [s for s, size in self.seg_sizes.items()
-                if s < active and s not in self.compacting and size > 0
-                and self.seg_live.get(s, 0) < size // 2]
-        return sorted(segs, key=lambda s: self.seg_live.get(s, 0))
+        active = self._writer.seg
+        segs = [s for s, size in self._seg_sizes.items()
+                if s < active and s not in self._compacting and size > 0
+                and self._seg_live.get(s, 0) < size // 2]
+        return sorted(segs, key=lambda s: self._seg_live.get(s, 0))
+
+    def start_compaction(self, seg: int) -> list[tuple[str, Rec]]:
+        """Mark ``seg`` as being compacted; its live records (to re-append)."""
+        self._compacting.add(seg)
+        return self.live_records(seg)
+
+    def abandon_compaction(self, seg: int) -> None:
+        self._compacting.discard(seg)
 
     def live_records(self, seg: int) -> list[tuple[str, Rec]]:
-        return [(k, r) for k, r in self.index.items() if r.seg == seg]
+        return [(k, r) for k, r in self._index.items() if r.seg == seg]
 
     def delete_segment(self, seg: int) -> None:
         fd = self._fds.pop(seg, None)
@@ -365,17 +420,17 @@ class SsdTier:
             os.unlink(self.path(seg))
         except FileNotFoundError:
             pass
-        self.seg_sizes.pop(seg, None)
-        self.seg_live.pop(seg, None)
-        self.compacting.discard(seg)
+        self._seg_sizes.pop(seg, None)
+        self._seg_live.pop(seg, None)
+        self._compacting.discard(seg)
 
     def stats(self) -> dict:
-        return {"ssd_objects": len(self.index), "ssd_used": self.used, "ssd_capacity": self.capacity,
-                "ssd_live": sum(self.seg_live.values()), "ssd_segments": len(self.seg_sizes),
-                **{f"ssd_{k}": v for k, v in self.counters.items()}}
+        return {"ssd_objects": len(self._index), "ssd_used": self.used, "ssd_capacity": self.capacity,
+                "ssd_live": sum(self._seg_live.values()), "ssd_segments": len(self._seg_sizes),
+                **{f"ssd_{k}": v for k, v in self._counters.items()}}
 
     def close(self) -> None:
-        self.writer.stop()
+        self._writer.stop()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -41,7 +41,7 @@ class TieredStore:
     def __init__(self, dram: DramTier, ssd: Optional[SsdTier], durability: str, fsync_interval_s: float):
         self.dram = dram
         self.ssd = ssd
-        self.durability = durability if ssd else "none"
+        self.durability = durability if ssd is not None else "none"
         self.fsync_interval_s = fsync_interval_s
         dram.drop_dirty(ssd is None)
         self.writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
@@ -51,20 +51,20 @@ class TieredStore:
         self._gone: list[tuple[str, int]] = []                # (key, size) left the node: tell the master
         self.quota_evictions = 0
         if ssd is not None:
-            for key, rec in ssd.index.items():
+            for key, rec in ssd.items():
                 self.usage[tenant_of(key)] += rec.size
 
     # ------------------------------------------------------------ lookups
 
     def contains(self, key: str) -> bool:
-        return key in self.dram or (self.ssd is not None and key in self.ssd.index)
+        return key in self.dram or (self.ssd is not None and key in self.ssd)
 
     def meta(self, key: str) -> Optional[tuple[int, int]]:
         """(size, checksum) wherever the object lives."""
         slot = self.dram.get(key)
         if slot is not None:
             return slot.size, slot.checksum
-        rec = self.ssd.index.get(key) if self.ssd else None
+        rec = self.ssd.get(key, touch=False) if self.ssd is not None else None
         return (rec.size, rec.checksum) if rec else None
 
     def unlease(self, key: str, offset: int) -> None:
@@ -95,12 +95,12 @@ class TieredStore:
             return None
         self.dram.commit(key, rec.checksum)
         self.dram.set_on_ssd(key, True)
-        self.ssd.counters["promotions"] += 1
+        self.ssd.count("promotions")
         return self.dram.lease(key, now)
 
     def on_ssd_only(self, key: str) -> bool:
         """Whether the key is held on SSD and not in DRAM (a lease must stage it first)."""
-        return self.ssd is not None and key in self.ssd.index and key not in self.dram
+        return self.ssd is not None and key in self.ssd and key not in self.dram
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
@@ -115,7 +115,7 @@ class TieredStore:
     def durable(self, key: str) -> Optional[bool]:
         """True: stored as the policy promises (acknowledge a duplicate put); False: being
         stored right now (reserved, or with ``sync`` not yet on disk); None: absent."""
-        if self.ssd is not None and key in self.ssd.index:
+        if self.ssd is not None and key in self.ssd:
             return True
         slot = self.dram.get(key)
         if slot is not None:
@@ -147,7 +147,7 @@ class TieredStore:
         out = [RESERVE_FULL] * len(keys)
         fresh, seen = [], set()
         dram = self.dram
-        on_ssd = self.ssd.index if self.ssd is not None else {}
+        on_ssd = self.ssd if self.ssd is not None else ()
         for i, (key, size) in enumerate(zip(keys, sizes)):
             if size < 0 or size > max_value:
                 continue
@@ -212,7 +212,7 @@ class TieredStore:
             return False
         victims = []
         if self.ssd is not None:   # SSD-only objects are the colder ones
-            victims += [k for k in self.ssd.index
+            victims += [k for k in self.ssd.keys()
                         if k not in self.dram and tenant_of(k) == tenant]
         victims += [k for k, o in self.dram.items()
                     if not o.busy and tenant_of(k) == tenant]
@@ -267,7 +267,7 @@ class TieredStore:
         if self.ssd is not None:
             on_disk = {k for k in keys if self.ssd.remove(k) is not None}
             if on_disk or writing:
-                self.ssd.writer.jobs.put(Job("tombstone", sorted(on_disk | writing)))
+                self.ssd.submit(Job("tombstone", sorted(on_disk | writing)))
             gone |= on_disk
         return [k for k in keys if k in gone]
 
@@ -287,7 +287,7 @@ class TieredStore:
         """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None)."""
         keys = set(k for k in self.dram.keys() if k.startswith(prefix))
         if self.ssd is not None:
-            keys.update(k for k in self.ssd.index if k.startswith(prefix))
+            keys.update(k for k in self.ssd.keys() if k.startswith(prefix))
         if tenant is not None:
             keys = {k for k in keys if tenant_of(k) == tenant}
         return self.remove(sorted(keys), now)
@@ -317,7 +317,7 @@ class TieredStore:
     def inventory(self) -> list[tuple[str, int, int]]:
         items = {k: (o.size, o.checksum) for k, o in self.dram.items()}
         if self.ssd is not None:
-            for k, r in self.ssd.index.items():
+            for k, r in self.ssd.items():
                 items.setdefault(k, (r.size, r.checksum))
         return [(k, s, c) for k, (s, c) in items.items()]
 
@@ -326,7 +326,7 @@ class TieredStore:
         st["objects"] = len(self.dram)
         if self.ssd is not None:
             st.update(self.ssd.stats())
-            st["objects_total"] = len(set(self.dram.keys()) | set(self.ssd.index))
+            st["objects_total"] = len(set(self.dram.keys()) | set(self.ssd.keys()))
         else:
             st["objects_total"] = st["objects"]
         st["tenants"] = top_tenants(self.usage)

@@ -20,7 +20,6 @@ Without an SSD tier every method is a no-op.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -84,8 +83,7 @@ class WriteBack:
                 items.append((key, self.dram.start_writing(slot), slot.checksum))
                 objs.append(slot)
         sync = self.durability == "sync"
-        self.ssd.writer.jobs.put(Job("append", items, fsync=sync,
-                                     tag=Writing(False, objs, waiter if sync else None)))
+        self.ssd.submit(Job("append", items, fsync=sync, tag=Writing(False, objs, waiter if sync else None)))
         return sync
 
     def maintain(self, now: float) -> list[tuple[str, int]]:
@@ -103,7 +101,7 @@ class WriteBack:
         self._compact()
         if self.durability == "async" and now >= self._next_fsync:
             self._next_fsync = now + self.fsync_interval_s
-            self.ssd.writer.jobs.put(Job("fsync"))
+            self.ssd.submit(Job("fsync"))
         return gone
 
     def _demote(self, now: float, excess: Optional[int] = None) -> None:
@@ -130,19 +128,18 @@ class WriteBack:
         if items:
             self._demoting = True
             self._disk_retry_at = now + DISK_RETRY_S
-            self.ssd.writer.jobs.put(Job("append", items, tag=Writing(True, objs)))
+            self.ssd.submit(Job("append", items, tag=Writing(True, objs)))
 
     def _compact(self) -> None:
-        if self.ssd.compacting:
+        if self.ssd.compacting():
             return
         for seg in self.ssd.reclaimable()[:1]:
-            live = self.ssd.live_records(seg)
-            self.ssd.compacting.add(seg)
+            live = self.ssd.start_compaction(seg)
             if not live:
                 self.ssd.delete_segment(seg)
                 continue
             items = [(k, self._reader(r), r.checksum) for k, r in live]
-            self.ssd.writer.jobs.put(Job("compact", items, tag=Compaction(seg, dict(live))))
+            self.ssd.submit(Job("compact", items, tag=Compaction(seg, dict(live))))
 
     def _reader(self, rec):
         ssd = self.ssd
@@ -152,11 +149,7 @@ class WriteBack:
         """Apply finished SSD jobs (called by the node loop when the writer wakes it)."""
         if self.ssd is None:
             return
-        while True:
-            try:
-                job = self.ssd.writer.done.get_nowait()
-            except queue.Empty:
-                return
+        while (job := self.ssd.next_done()) is not None:
             self._apply(job, now)
 
     def next_request(self) -> None:
@@ -164,7 +157,6 @@ class WriteBack:
         self._turn += 1
 
     def _apply(self, job: Job, now: float) -> None:
-        self.ssd.note_sizes(job.seg_sizes)
         self._disk_status(job)
         if isinstance(job.tag, Writing):
             self._written(job, job.tag, now)
@@ -195,9 +187,8 @@ class WriteBack:
             left = end - time.monotonic()
             if left <= 0:
                 return None
-            try:
-                job = self.ssd.writer.done.get(timeout=left)
-            except queue.Empty:
+            job = self.ssd.next_done(timeout=left)
+            if job is None:
                 return None
             now = time.monotonic()
             self._apply(job, now)
@@ -218,8 +209,6 @@ class WriteBack:
             log.info("ssd tier writable again")
             self._disk_ok = True
             self.problem = ""
-        if job.error:
-            self.ssd.counters["write_errors"] += 1
         self.dram.drop_dirty(not self._disk_ok)   # with no disk to demote to, drop like a cache
 
     def _written(self, job: Job, tag: Writing, now: float) -> None:
@@ -232,7 +221,7 @@ class WriteBack:
             on_disk = rec is not None and not slot.removed
             if on_disk:
                 self.ssd.add(key, rec)
-                self.ssd.counters["demotions"] += tag.demote
+                self.ssd.count("demotions", tag.demote)
             self.dram.written(slot, on_disk, now)
             if tag.demote and slot.on_ssd and not slot.busy and self.dram.get(key) is slot:
                 self.dram.drop(key, now)
@@ -244,17 +233,17 @@ class WriteBack:
     def _compacted(self, job: Job, tag: Compaction) -> None:
         seg, before = tag
         for key, rec in job.result:
-            if rec is not None and self.ssd.index.get(key) is before.get(key):
+            if rec is not None and self.ssd.get(key, touch=False) is before.get(key):
                 self.ssd.add(key, rec)      # moved; a record replaced meanwhile stays
         if not job.error:
             for key, rec in self.ssd.live_records(seg):
                 self._lost(key)      # unreadable during compaction
             self.ssd.delete_segment(seg)
-            self.ssd.counters["compactions"] += 1
+            self.ssd.count("compactions")
         else:
-            self.ssd.compacting.discard(seg)
+            self.ssd.abandon_compaction(seg)
 
     def close(self) -> None:
         """Flush what ``async`` and ``sync`` wrote (``demote`` fsyncs with each batch)."""
         if self.ssd is not None and self.durability != "demote":
-            self.ssd.writer.jobs.put(Job("fsync"))
+            self.ssd.submit(Job("fsync"))

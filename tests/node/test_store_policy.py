@@ -45,7 +45,7 @@ def read(st, key, now):
 
 def wait_on_ssd(st, keys, timeout_s=30.0):
     end = time.monotonic() + timeout_s
-    while not all(k in st.ssd.index for k in keys):
+    while not all(k in st.ssd for k in keys):
         assert time.monotonic() < end, "objects never reached the SSD"
         time.sleep(0.01)
         st.poll_done(time.monotonic())
@@ -60,7 +60,7 @@ def test_writes_beyond_dram_wait_for_the_disk_instead_of_failing(store):
     assert store.drain_dropped() == []              # nothing acknowledged was dropped
     for k, b in blobs.items():                      # SSD-only ones are staged back into DRAM
         assert read(store, k, 100.0) == b, k
-    assert store.ssd.counters["promotions"] >= 40 - 8
+    assert store.stats()["ssd_promotions"] >= 40 - 8
     assert store.drain_dropped() == []
     assert store.stats()["tenants"] == {"": 40 * MiB}
 
@@ -72,9 +72,9 @@ def test_an_ssd_only_object_without_dram_room_to_stage_is_a_miss(store):
     # 8 MiB of objects not on disk (never persisted): "cold", on disk, is evicted for them
     for i in range(8):
         put(store, f"hot{i}", bytes([i]) * MiB, now=1.0, persist=False)
-    assert "cold" not in store.dram and "cold" in store.ssd.index
+    assert "cold" not in store.dram and "cold" in store.ssd
     assert store.lease("cold", 2.0) is None         # nothing in DRAM may go to make room
-    assert "cold" in store.ssd.index and store.drain_dropped() == []   # a miss, not a loss
+    assert "cold" in store.ssd and store.drain_dropped() == []   # a miss, not a loss
     assert not store.dram.is_reserved("cold")       # the staging slot was not left behind
     store.remove(["hot0"], 3.0)
     assert read(store, "cold", 3.0) == cold         # room again: staged
@@ -207,7 +207,7 @@ def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_valu
     put(store, "k", new, now=0.0)
     obj = store.dram.get("k")
     end = time.monotonic() + 10                     # both writes done and applied
-    while obj.busy != 0 or not (store.ssd.writer.jobs.empty() and store.ssd.writer.done.empty()):
+    while obj.busy != 0 or not store.ssd.idle():
         assert time.monotonic() < end, f"busy {obj.busy}"
         time.sleep(0.01)
         store.poll_done(1.0)
@@ -286,10 +286,10 @@ def test_recovery_leaves_out_records_whose_keys_no_message_may_carry(tmp_path):
     from hicache_mc.protocol import MAX_KEY_BYTES
     ssd = SsdTier(str(tmp_path / "ssd8"), 64 * MiB, 8 * MiB, 0.95, 0.85)
     long_key, data = "k" * (MAX_KEY_BYTES + 1), b"v" * 100
-    ssd.writer.jobs.put(Job("append", [(long_key, data, checksum(data)), ("ok", data, checksum(data))]))
+    ssd.submit(Job("append", [(long_key, data, checksum(data)), ("ok", data, checksum(data))]))
     ssd.close()
     ssd = SsdTier(str(tmp_path / "ssd8"), 64 * MiB, 8 * MiB, 0.95, 0.85)
     try:
-        assert list(ssd.index) == ["ok"]
+        assert list(ssd.keys()) == ["ok"]
     finally:
         ssd.close()
