@@ -216,6 +216,7 @@ class LeaseRequest(Message):
     keys: Keys
 
 
+LEASE_MISSING = -1   # LeaseReply offset: the node does not hold the key
 # LeaseReply offset: stored on SSD only, and DRAM has no room to stage it while this batch's
 # other objects are leased: ask again once they are released
 LEASE_LATER = -3

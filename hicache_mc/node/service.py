@@ -41,7 +41,8 @@ from .metrics import node_families
 from .naming import advertised_host, node_name
 from .ssd import SsdTier
 from .pending import PendingWrite
-from .store import TieredStore
+from .store import Leased, Reserved, TieredStore
+from .wire import lease_reply, reserve_reply
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +161,7 @@ class StorageNode(Service):
         except BlockingIOError:
             pass
         now = time.monotonic()
-        self.store.poll_done(now)
-        finished, self.store.writeback.finished = self.store.writeback.finished, []
-        for pw, ok in finished:
+        for pw, ok in self.store.poll_done(now):
             failed = [k for k, good in zip(pw.keys, ok) if not good]
             if failed:   # not on disk as the policy promised: neither acknowledged nor kept
                 self.store.remove(failed, now)
@@ -278,22 +277,16 @@ class StorageNode(Service):
         self.check_tenant(msg.keys)
         now = time.monotonic()
         until = now + self.config.lease_s
-        offsets, sizes, checksums = [], [], []
-        for key in msg.keys:
-            obj = self.store.lease(key, now)
-            if obj is None:
-                offsets.append(P.LEASE_LATER if self.store.on_ssd_only(key) else -1)
-                sizes.append(-1)
-                checksums.append(0)
-            else:
-                self.grants.grant(self.peer, obj.offset, obj.size, False, until)
-                offsets.append(obj.offset)
-                sizes.append(obj.size)
-                checksums.append(obj.checksum)
+        leases = self.store.lease_many(msg.keys, now)
+        hits = 0
+        for lease in leases:
+            if lease.outcome is Leased.OBJECT:
+                self.grants.grant(self.peer, lease.offset, lease.size, False, until)
+                hits += 1
         self.counters["reads"] += len(msg.keys)
-        self.counters["read_hits"] += sum(o >= 0 for o in offsets)
+        self.counters["read_hits"] += hits
         # the reader must be done a little before the slot could be reused
-        return P.LeaseReply(offsets, sizes, checksums, self.config.lease_s * 0.8, self.segment_id)
+        return lease_reply(leases, self.config.lease_s * 0.8, self.segment_id)
 
     def on_ReleaseRequest(self, msg: P.ReleaseRequest, ident, req_id):
         if len(msg.keys) != len(msg.offsets) or len(msg.damaged) not in (0, len(msg.keys)):
@@ -302,7 +295,7 @@ class StorageNode(Service):
         for key, offset in zip(msg.keys, msg.offsets):
             held.append(self.grants.revoke(self.peer, offset))  # only what was leased (reserved) to it
             if held[-1]:
-                self.store.unlease(key, offset)
+                self.store.release(key, offset)
         bad = [i for i, d in enumerate(msg.damaged) if d and held[i]]
         gone = self.store.drop_damaged([msg.keys[i] for i in bad], [msg.offsets[i] for i in bad],
                                        time.monotonic()) if bad else []
@@ -318,13 +311,13 @@ class StorageNode(Service):
         self.check_tenant(msg.keys)
         now = time.monotonic()
         self.store.next_request()
-        offsets = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
-                                          self.config.max_value)
+        slots = self.store.reserve_many(msg.keys, msg.sizes, now, self.config.reserve_s,
+                                        self.config.max_value)
         until = now + self.config.reserve_s
-        for off, size in zip(offsets, msg.sizes):
-            if off >= 0:
-                self.grants.grant(self.peer, off, size, True, until)
-        return P.ReserveReply(offsets, self.config.reserve_s * 0.8, self.segment_id)
+        for slot, size in zip(slots, msg.sizes):
+            if slot.outcome is Reserved.SLOT:
+                self.grants.grant(self.peer, slot.offset, size, True, until)
+        return reserve_reply(slots, self.config.reserve_s * 0.8, self.segment_id)
 
     def on_CommitRequest(self, msg: P.CommitRequest, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
@@ -342,7 +335,7 @@ class StorageNode(Service):
     def _acknowledge(self, pw: "PendingWrite"):
         """Persist as the durability policy says, then tell the master, then the client."""
         self.counters["writes"] += len(pw.keys)
-        if self.store.persist(pw.keys, pw):
+        if self.store.write_through(pw.keys, pw):
             return None   # continued in _on_ssd_done
         return self._report(pw)
 
@@ -380,7 +373,7 @@ class StorageNode(Service):
             problem = self._link.problem
             return False, f"not registered with the master at {self.config.master}" + \
                 (f": {problem}" if problem else "")
-        problem = self.store.writeback.problem
+        problem = self.store.problem
         return not problem, f"degraded: {problem}"
 
     def on_NodeStatsRequest(self, msg, ident, req_id):

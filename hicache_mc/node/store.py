@@ -1,7 +1,19 @@
 """TieredStore: one node's objects across its DRAM tier and its optional SSD tier.
 
+Contract (the node loop is the only caller; it sees outcomes, never the tiers' records):
+
+- ``reserve_many(keys, sizes, now, hold_s, max_value) -> list[Reservation]``: a slot per key
+  to fill and ``commit_many``, or why not (``Reserved``).
+- ``commit_many(keys, checksums, offsets) -> list[Optional[Stored]]``: the reserved slots
+  become readable objects; ``write_through`` then starts them on their way to disk.
+- ``lease_many(keys, now) -> list[Lease]``: objects in DRAM for a reader, or why not
+  (``Leased``); ``release(key, offset)`` ends a lease or gives a reservation back.
+- ``clear`` / ``remove`` / ``drop_damaged``: objects removed on purpose.
+- ``maintain(now)`` (timers), ``poll_done(now)`` (the SSD writer finished jobs: the sync
+  writes now on disk, or not), ``drain_dropped()`` (keys that left the node, for the master).
+
 Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
-``writeback.py``):
+``writeback.py``, private to the store):
 
 - Writes land in DRAM, reserved then committed; a second writer of a key being stored is told
   "busy", and one of a key stored already "stored".
@@ -20,21 +32,55 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import xxhash
 
 from ..keys import tenant_of
-from ..protocol import MAX_TENANTS, RESERVE_BUSY, RESERVE_FULL, RESERVE_STORED
-from .dram import DramTier, Slot
+from ..protocol import MAX_TENANTS
+from .dram import DramTier
 from .ssd import Job, SsdTier
-from .writeback import WriteBack
+from .writeback import Finished, WriteBack
 
 log = logging.getLogger(__name__)
 
+
+class Reserved(enum.Enum):
+    SLOT = "slot"           # a slot to fill, then commit
+    STORED = "stored"       # stored already, as durably as the policy says: nothing to write
+    BUSY = "busy"           # another writer is storing it now: not acknowledged to this one
+    FULL = "full"           # no room, over the tenant's quota, or a size out of range
+
+
+class Reservation(NamedTuple):
+    outcome: Reserved
+    offset: int = -1        # the slot, for SLOT
+
+
+FULL = Reservation(Reserved.FULL)
+
+
+class Leased(enum.Enum):
+    OBJECT = "object"       # in DRAM, leased
+    MISSING = "missing"     # not on this node
+    LATER = "later"         # on SSD only, and DRAM has no room to stage it now: ask again later
+
+
+class Lease(NamedTuple):
+    outcome: Leased
+    offset: int = -1
+    size: int = -1
+    checksum: int = 0
+
+
+class Stored(NamedTuple):
+    """A committed object."""
+    size: int
+    checksum: int
 
 
 class TieredStore:
@@ -44,7 +90,7 @@ class TieredStore:
         self.durability = durability if ssd is not None else "none"
         self.fsync_interval_s = fsync_interval_s
         dram.drop_dirty(ssd is None)
-        self.writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
+        self._writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
         self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
         self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
         self.reserved_bytes: dict[str, int] = defaultdict(int)  # tenant -> bytes reserved, not committed
@@ -67,7 +113,7 @@ class TieredStore:
         rec = self.ssd.get(key, touch=False) if self.ssd is not None else None
         return (rec.size, rec.checksum) if rec else None
 
-    def unlease(self, key: str, offset: int) -> None:
+    def release(self, key: str, offset: int) -> None:
         """A reader released its lease on ``key`` at ``offset``, or a writer gave back its
         reservation (``DramTier.give_back``, ``DramTier.release``)."""
         slot = self.dram.give_back(key, offset)
@@ -76,12 +122,23 @@ class TieredStore:
         else:
             self.dram.release(key, offset)
 
-    def lease(self, key: str, now: float) -> Optional[Slot]:
-        """The object in DRAM, leased (an SSD-only object is staged in first); None when
-        absent, or when on SSD only and DRAM has no room to stage it now."""
+    def lease_many(self, keys: list[str], now: float) -> list[Lease]:
+        """A lease per key (see ``Leased``)."""
+        return [self._lease(key, now) for key in keys]
+
+    def _lease(self, key: str, now: float) -> Lease:
+        """The object in DRAM, leased; an SSD-only object is staged in first."""
         slot = self.dram.lease(key, now)
-        if slot is not None or self.ssd is None:
-            return slot
+        if slot is None and self.ssd is not None:
+            slot = self._stage(key, now)
+        if slot is not None:
+            return Lease(Leased.OBJECT, slot.offset, slot.size, slot.checksum)
+        on_ssd_only = self.ssd is not None and key in self.ssd and key not in self.dram
+        return Lease(Leased.LATER if on_ssd_only else Leased.MISSING)
+
+    def _stage(self, key: str, now: float):
+        """Read an SSD-only object back into DRAM and lease it; None when it is not on SSD,
+        DRAM has no room for it now, or its record is damaged (then it is dropped)."""
         rec = self.ssd.get(key)
         if rec is None or self.dram.is_reserved(key):
             return None
@@ -97,10 +154,6 @@ class TieredStore:
         self.dram.set_on_ssd(key, True)
         self.ssd.count("promotions")
         return self.dram.lease(key, now)
-
-    def on_ssd_only(self, key: str) -> bool:
-        """Whether the key is held on SSD and not in DRAM (a lease must stage it first)."""
-        return self.ssd is not None and key in self.ssd and key not in self.dram
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
@@ -122,29 +175,30 @@ class TieredStore:
             return slot.on_ssd or self.durability != "sync"
         return False if self.dram.is_reserved(key) else None
 
-    def reserve(self, key: str, size: int, now: float, hold_s: float) -> int:
+    def reserve(self, key: str, size: int, now: float, hold_s: float) -> Reservation:
+        """A slot for ``key`` to fill and commit before ``now + hold_s``, or why not."""
         state = self.durable(key)
         if state is not None:   # a second writer of the same key is acknowledged only once it holds
-            return RESERVE_STORED if state else RESERVE_BUSY
+            return Reservation(Reserved.STORED if state else Reserved.BUSY)
         if not self._within_quota(key, size, now):
-            return RESERVE_FULL
+            return FULL
         slot = self.dram.reserve(key, size, now, hold_s)
         if slot is None:
-            slot = self.writeback.room_by_waiting(
+            slot = self._writeback.room_by_waiting(
                 size, now, lambda: self.dram.reserve(key, size, time.monotonic(), hold_s))
         self._collect()
         if slot is None:
-            return RESERVE_FULL
+            return FULL
         self.reserved_bytes[tenant_of(key)] += size
-        return slot.offset
+        return Reservation(Reserved.SLOT, slot.offset)
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
-                     max_value: int) -> list[int]:
-        """``reserve`` for a batch (RESERVE_FULL for sizes out of 0..``max_value``). Keys not
+                     max_value: int) -> list[Reservation]:
+        """``reserve`` for a batch (FULL for sizes out of 0..``max_value``). Keys not
         stored, not being stored and under no quota take one free range together
         (``DramTier.reserve_row``); the rest, or all when no range is big enough, go
         key by key."""
-        out = [RESERVE_FULL] * len(keys)
+        out: list[Optional[Reservation]] = [FULL] * len(keys)
         fresh, seen = [], set()
         dram = self.dram
         on_ssd = self.ssd if self.ssd is not None else ()
@@ -165,29 +219,26 @@ class TieredStore:
                     out[i] = None
             else:
                 for i, slot in zip(fresh, got):
-                    out[i] = slot.offset
+                    out[i] = Reservation(Reserved.SLOT, slot.offset)
                     self.reserved_bytes[tenant_of(keys[i])] += sizes[i]
-        for i, off in enumerate(out):
-            if off is None:
+        for i, r in enumerate(out):
+            if r is None:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s)
         return out
 
-    def commit(self, key: str, checksum: int) -> bool:
-        """Make a reserved slot a readable object."""
-        return self.commit_many([key], [checksum])[0] is not None
-
     def commit_many(self, keys: list[str], checksums: list[int],
-                    offsets: Optional[list[int]] = None) -> list[Optional[Slot]]:
-        """``commit`` for a batch: the committed object per key (None: nothing reserved, or,
-        with ``offsets``, reserved at another offset: another writer's slot)."""
-        out = []
+                    offsets: Optional[list[int]] = None) -> list[Optional[Stored]]:
+        """Make reserved slots readable objects: the object per key (None: nothing reserved,
+        or, with ``offsets``, reserved at another offset: another writer's slot)."""
+        out: list[Optional[Stored]] = []
         usage, charged, tenants = self.usage, self.reserved_bytes, {}
         commit = self.dram.commit
         for i, (key, checksum) in enumerate(zip(keys, checksums)):
             obj = commit(key, checksum, None if offsets is None else offsets[i])
-            out.append(obj)
             if obj is None:
+                out.append(None)
                 continue
+            out.append(Stored(obj.size, obj.checksum))
             ns = key.partition("/")[0]
             tenant = tenants.get(ns)
             if tenant is None:
@@ -294,23 +345,34 @@ class TieredStore:
 
     # ------------------------------------------------------------ the SSD tier's side
 
-    def persist(self, keys: list[str], waiter: object = None) -> bool:
-        """Write newly committed objects through (see ``WriteBack.persist``)."""
-        return self.writeback.persist(keys, waiter)
+    def write_through(self, keys: list[str], waiter: object = None) -> bool:
+        """Start newly committed objects on their way to disk, as ``durability`` says; True
+        when ``waiter`` must wait for the disk (``sync``): ``poll_done`` returns it once there."""
+        return self._writeback.persist(keys, waiter)
 
     def maintain(self, now: float) -> None:
+        """Timers: reservations that lapsed, watermarks, compaction, the periodic fsync."""
         for key, size in self.dram.maintain(now):     # reservations that lapsed
             self.reserved_bytes[tenant_of(key)] -= size
-        for key, size in self.writeback.maintain(now):
+        for key, size in self._writeback.maintain(now):
             self._left(key, size)
         self._collect()
 
-    def poll_done(self, now: float) -> None:
-        self.writeback.poll_done(now)
+    def poll_done(self, now: float) -> list[Finished]:
+        """Apply the SSD writer's finished jobs; the sync writes now done with the disk, each
+        with an ok flag per key (on disk, and not removed meanwhile)."""
+        self._writeback.poll_done(now)
         self._collect()
+        return self._writeback.take_finished()
 
     def next_request(self) -> None:
-        self.writeback.next_request()
+        """The node starts serving another request: a fresh back-pressure budget."""
+        self._writeback.next_request()
+
+    @property
+    def problem(self) -> str:
+        """Why a tier is unusable now ("" while every tier works)."""
+        return self._writeback.problem
 
     # ------------------------------------------------------------ reporting
 
@@ -331,11 +393,11 @@ class TieredStore:
             st["objects_total"] = st["objects"]
         st["tenants"] = top_tenants(self.usage)
         st["quota_evictions"] = self.quota_evictions
-        st["degraded"] = self.writeback.problem     # "" while every tier works
+        st["degraded"] = self._writeback.problem     # "" while every tier works
         return st
 
     def close(self) -> None:
-        self.writeback.close()
+        self._writeback.close()
         if self.ssd is not None:
             self.ssd.close()
         self.dram.close()

@@ -38,7 +38,7 @@ class Writing(NamedTuple):
     """The tag of a write-through or demotion job."""
     demote: bool
     objs: list[Slot]            # the DRAM object of each item, held until applied
-    waiter: object = None       # a sync write's waiter: answered through ``finished``
+    waiter: object = None       # a sync write's waiter: returned by ``take_finished``
 
 
 class Compaction(NamedTuple):
@@ -67,13 +67,13 @@ class WriteBack:
         self._demoting = False
         self._turn = 0                 # bumped by the node per request (see room_by_waiting)
         self._wait_turn, self._wait_left = -1, 0.0
-        self.finished: list[Finished] = []      # sync writes done with the disk
+        self._finished: list[Finished] = []     # sync writes done with the disk
 
     def persist(self, keys: list[str], waiter: object = None) -> bool:
         """Start writing newly committed DRAM objects through to SSD, as the policy says.
 
         Returns True when ``waiter`` must wait for the disk (``sync``): it comes back through
-        ``finished`` with one ok flag per key."""
+        ``take_finished`` with one ok flag per key."""
         if self.durability not in ("sync", "async") or not keys:
             return False
         items, objs = [], []
@@ -152,6 +152,11 @@ class WriteBack:
         while (job := self.ssd.next_done()) is not None:
             self._apply(job, now)
 
+    def take_finished(self) -> list[Finished]:
+        """The sync writes done with the disk since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
     def next_request(self) -> None:
         """The node starts serving another request: a fresh back-pressure budget."""
         self._turn += 1
@@ -228,7 +233,7 @@ class WriteBack:
         if tag.demote:
             self._demoting = False
         if tag.waiter is not None:
-            self.finished.append(Finished(tag.waiter, [o.on_ssd for o in tag.objs]))
+            self._finished.append(Finished(tag.waiter, [o.on_ssd for o in tag.objs]))
 
     def _compacted(self, job: Job, tag: Compaction) -> None:
         seg, before = tag

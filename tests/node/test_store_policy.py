@@ -7,7 +7,7 @@ import pytest
 
 from hicache_mc.node.dram import DramTier
 from hicache_mc.node.ssd import SsdTier
-from hicache_mc.node.store import TieredStore
+from hicache_mc.node.store import Leased, Reserved, TieredStore
 from hicache_mc.transport.base import checksum
 
 MiB = 1 << 20
@@ -25,21 +25,30 @@ def store(tmp_path):
 
 def put(st, key, data, now, persist=True):
     """Reserve, copy and commit, as a writer does."""
-    off = st.reserve_many([key], [len(data)], now, 5.0, 16 * MiB)[0]
-    assert off >= 0, (key, off)
+    r = st.reserve_many([key], [len(data)], now, 5.0, 16 * MiB)[0]
+    assert r.outcome is Reserved.SLOT, (key, r)
     st.dram.view(st.dram.reservation(key))[:] = data
     assert st.commit_many([key], [checksum(data)])[0] is not None
     if persist:
-        st.persist([key])
+        st.write_through([key])
+
+
+def offs(reservations):
+    """Each reservation's offset, or its outcome when it got no slot."""
+    return [r.offset if r.outcome is Reserved.SLOT else r.outcome for r in reservations]
+
+
+def one(st, key, size, now, hold_s=5.0):
+    return offs([st.reserve(key, size, now, hold_s)])[0]
 
 
 def read(st, key, now):
     """The object's bytes through a lease (released after the copy), or None."""
-    obj = st.lease(key, now)
-    if obj is None:
+    lease = st.lease_many([key], now)[0]
+    if lease.outcome is not Leased.OBJECT:
         return None
-    data = bytes(st.dram.view(obj))
-    st.unlease(key, obj.offset)
+    data = bytes(st.dram.mm[lease.offset: lease.offset + lease.size])
+    st.release(key, lease.offset)
     return data
 
 
@@ -73,7 +82,7 @@ def test_an_ssd_only_object_without_dram_room_to_stage_is_a_miss(store):
     for i in range(8):
         put(store, f"hot{i}", bytes([i]) * MiB, now=1.0, persist=False)
     assert "cold" not in store.dram and "cold" in store.ssd
-    assert store.lease("cold", 2.0) is None         # nothing in DRAM may go to make room
+    assert store.lease_many(["cold"], 2.0)[0].outcome is Leased.LATER   # nothing in DRAM may go
     assert "cold" in store.ssd and store.drain_dropped() == []   # a miss, not a loss
     assert not store.dram.is_reserved("cold")       # the staging slot was not left behind
     store.remove(["hot0"], 3.0)
@@ -88,16 +97,17 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
     st = TieredStore(dram, ssd, "sync", 1.0)
     try:
         data = b"z" * 1000
-        assert st.reserve("k", 1000, 0.0, 5.0) >= 0           # writer 1 is copying
-        assert st.reserve("k", 1000, 0.0, 5.0) == -4          # writer 2: busy, not acknowledged
+        assert one(st, "k", 1000, 0.0) >= 0                   # writer 1 is copying
+        assert one(st, "k", 1000, 0.0) is Reserved.BUSY       # writer 2: not acknowledged
         dram.view(dram.reservation("k"))[:] = data
-        assert st.commit("k", checksum(data))
-        assert st.reserve("k", 1000, 0.0, 5.0) == -4          # sync: in DRAM, not yet on disk
-        st.persist(["k"], waiter="w")
-        while not st.writeback.finished:
-            st.poll_done(1.0)
-        assert st.writeback.finished == [("w", [True])]
-        assert st.reserve("k", 1000, 0.0, 5.0) == -2          # on disk: a duplicate is acknowledged
+        assert st.commit_many(["k"], [checksum(data)])[0] is not None
+        assert one(st, "k", 1000, 0.0) is Reserved.BUSY       # sync: in DRAM, not yet on disk
+        st.write_through(["k"], waiter="w")
+        done = []
+        while not done:
+            done = st.poll_done(1.0)
+        assert done == [("w", [True])]
+        assert one(st, "k", 1000, 0.0) is Reserved.STORED     # on disk: a duplicate is acknowledged
     finally:
         st.close()
 
@@ -110,26 +120,27 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
     st = TieredStore(dram, None, "none", 1.0)
     try:
         put(st, "stored", b"s" * 100, 0.0)
-        assert st.reserve("busy", 100, 0.0, 5.0) >= 0
+        assert one(st, "busy", 100, 0.0) >= 0
         st.quotas = {"t": 150}
         st.usage["t"] = 100
         keys = ["n/1", "stored", "busy", "n/2", "n/1", "huge", "neg", "ns@t/q", "ns@u/r"]
         sizes = [100, 100, 100, 200, 100, 10 * MiB, -1, 100, 100]
-        offs = st.reserve_many(keys, sizes, 0.0, 5.0, MiB)
-        assert offs[1:3] == [-2, -4] and offs[4] == -4          # stored, busy, repeated
-        assert offs[5] == -1 and offs[6] == -1                  # too large, negative
-        assert offs[3] == offs[0] + 256 and offs[8] == offs[3] + 256   # fresh: one range
-        assert offs[7] == -1                                    # over tenant t's quota
+        got = offs(st.reserve_many(keys, sizes, 0.0, 5.0, MiB))
+        assert got[1:3] == [Reserved.STORED, Reserved.BUSY]     # stored, being stored
+        assert got[4] is Reserved.BUSY                          # repeated in the batch
+        assert got[5] is got[6] is Reserved.FULL                # too large, negative
+        assert got[3] == got[0] + 256 and got[8] == got[3] + 256   # fresh: one range
+        assert got[7] is Reserved.FULL                          # over tenant t's quota
         got = st.commit_many(["n/1", "n/2", "nothing"], [7, 8, 9])
         assert [o.size if o else None for o in got] == [100, 200, None]
         assert st.usage[""] == 400 and st.meta("n/2") == (200, 8)
         # with offsets: a commit naming another slot than the key's reservation commits nothing
         # (a writer whose reservation lapsed while another writer reserved the key elsewhere)
-        a, b = st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB)
+        a, b = offs(st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB))
         got = st.commit_many(["o/a", "o/b"], [1, 2], [a, a])
-        assert got[0].offset == a and got[1] is None
+        assert got[0] == (100, 1) and got[1] is None
         assert st.dram.reservation("o/b").offset == b           # still the other writer's
-        assert st.commit_many(["o/b"], [2], [b])[0].offset == b
+        assert st.commit_many(["o/b"], [2], [b])[0] == (100, 2)
     finally:
         st.close()
 
@@ -151,8 +162,8 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(q
     put(st, "ns@t/a", b"a" * 800, 0.0)
     put(st, "other/x", b"x" * 800, 0.0)
     # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
-    b, c = st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB)
-    assert b >= 0 and c == -1
+    b, c = offs(st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB))
+    assert b >= 0 and c is Reserved.FULL
     assert "ns@t/a" not in dram and "other/x" in dram
     assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
     assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
@@ -171,14 +182,14 @@ def test_reservations_count_against_the_quota_until_committed_or_given_back(quot
     st = quota_store
     dram = st.dram
     # one batch: each reservation counts at once, so no batch overruns the quota
-    a, b, c = st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB)
-    assert a >= 0 and b >= 0 and c == -1
+    a, b, c = offs(st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB))
+    assert a >= 0 and b >= 0 and c is Reserved.FULL
     assert st.reserved_bytes["t"] == 800 and st.usage["t"] == 0
-    st.unlease("ns@t/a", a)                  # given back unfilled: credited back
+    st.release("ns@t/a", a)                  # given back unfilled: credited back
     assert st.reserved_bytes["t"] == 400
     st.maintain(6.0)                         # "b" lapsed: credited back
     assert st.reserved_bytes["t"] == 0 and not dram.is_reserved("ns@t/b")
-    c, d = st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB)
+    c, d = offs(st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB))
     assert c >= 0 and d >= 0
     assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
     assert st.usage["t"] == 400 and st.reserved_bytes["t"] == 400
@@ -190,7 +201,7 @@ def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
     for k in "abc":
         put(st, f"ns@t/{k}", b"x" * 300, 0.0)
     # "d" evicts "a"; "e" then needs room for 300 more, which "b" alone makes
-    d, e = st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB)
+    d, e = offs(st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB))
     assert d >= 0 and e >= 0
     assert sorted(dram.keys()) == ["ns@t/c"]
     assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
@@ -230,12 +241,13 @@ def test_a_sync_write_cleared_before_it_reaches_the_disk_is_not_acknowledged(tmp
     st = TieredStore(dram, ssd, "sync", 1.0)
     try:
         put(st, "k", b"a" * 1000, 0.0, persist=False)
-        st.persist(["k"], waiter="w")
+        st.write_through(["k"], waiter="w")
         assert st.clear("", 0.0) == ["k"]
-        while not st.writeback.finished:
-            st.poll_done(1.0)
-        assert st.writeback.finished == [("w", [False])]
-        assert st.reserve("k", 1000, 1.0, 5.0) >= 0           # gone: a new writer stores it
+        done = []
+        while not done:
+            done = st.poll_done(1.0)
+        assert done == [("w", [False])]
+        assert one(st, "k", 1000, 1.0) >= 0                   # gone: a new writer stores it
     finally:
         st.close()
 
