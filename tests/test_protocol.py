@@ -176,7 +176,7 @@ def test_limits_on_keys_checksums_and_lengths():
 def test_the_largest_inventory_chunk_is_within_the_limits():
     """A node registers with its inventory in CommittedRequests of INVENTORY_CHUNK keys: the
     largest such message (longest node id, keys, sizes, checksums) decodes."""
-    from hicache_mc.node.service import INVENTORY_CHUNK
+    from hicache_mc.node.master_link import INVENTORY_CHUNK
     n = INVENTORY_CHUNK
     msg = P.CommittedRequest("n" * P.MAX_NAME, ["k" * P.MAX_KEY_BYTES] * n, [(1 << 63) - 1] * n,
                              [(1 << 64) - 1] * n, (1 << 64) - 1)
