@@ -24,7 +24,7 @@ from ..config import ClientConfig, load_config
 from ..errors import HicacheError, RemoteError
 from ..keys import batch_page_keys
 from ..rpc import Channel
-from ..transport.base import ChecksumCounter, Transport
+from ..transport.base import Transport
 from ..transport.te import MooncakeTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
@@ -32,6 +32,7 @@ from .batch import check_batch, check_keys
 from .circuit import Circuit, NodeCircuits
 from .fences import Fences
 from .locations import Locations
+from .rounds import ChecksumCounter, NodeRounds
 from .view import ResidencyView
 from .writes import Copied, Failed, WritePath
 
@@ -69,16 +70,15 @@ class StoreClient(WritePath):
         self.host = host_identity()
         self.checks = ChecksumCounter()
         verify = self.config.verify_checksums
-        self.tcp = TcpTransport(self._channel, self.checks, verify, token=self.config.token)
-        self.shm = ShmTransport(self._channel, self.checks, verify)
+        self.rounds = NodeRounds(self.checks, verify)      # lease / reserve / commit around a copy
+        self.tcp = TcpTransport(verify, token=self.config.token)
+        self.shm = ShmTransport(verify)
         cfg = self.config
-        self.te = MooncakeTransport(self._channel, self.checks, verify, master=cfg.master, protocol=cfg.te_protocol,
+        self.te = MooncakeTransport(verify, master=cfg.master, protocol=cfg.te_protocol,
                                     device=cfg.te_device, metadata=cfg.te_metadata,
                                     hostname=cfg.te_hostname, staging_bytes=cfg.te_staging,
                                     timeout_s=cfg.timeout_s)
         self.fences = Fences()          # read-your-writes (client/fences.py)
-        for t in (self.tcp, self.shm, self.te):
-            t.committed = self.fences.committed
         self._warned: set[str] = set()
         self.circuit = Circuit(self.config.circuit_failures, self.config.circuit_open_s,
                                "the master")
@@ -298,8 +298,9 @@ class StoreClient(WritePath):
         failed = Failed([], [])
         for node_id, idx in by_node.items():
             node = self._nodes[node_id]
-            got = self._on_node(node, len(idx), lambda t: t.read(
-                node, [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx], deadline))
+            got = self._on_node(node, len(idx), lambda t: self.rounds.read(
+                self._channel(node.address), t, node, [keys[i] for i in idx], [ptrs[i] for i in idx],
+                [sizes[i] for i in idx], deadline))
             for i, good in zip(idx, got.ok):
                 result[i] = good
             if got.failed:
@@ -326,6 +327,15 @@ class StoreClient(WritePath):
             return OnNode([False] * n, True)
         circuit.ok()
         return OnNode(ok, False)
+
+    def _write_on(self, mover: Transport, node: P.NodeInfo, keys: list[str], ptrs: list[int],
+                  sizes: list[int], deadline: float) -> list[bool]:
+        """The Reserve, copy and Commit rounds on one node; its commits fence this client's
+        next lookups (read-your-writes)."""
+        written = self.rounds.write(self._channel(node.address), mover, node, keys, ptrs, sizes,
+                                    deadline)
+        self.fences.committed(node, written.seq)
+        return written.ok
 
     def _node_failed(self, circuit: Circuit, exc: Exception) -> None:
         self.counters["node_errors"] += 1

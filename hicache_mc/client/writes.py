@@ -132,8 +132,8 @@ class WritePath:
         for node_id, idx in by_node(placed.targets, placed.copies).items():
             idx = [which[j] for j in idx]
             node, sub_sizes = self._nodes[node_id], [sizes[i] for i in idx]
-            got = self._on_node(node, len(idx), lambda t: t.write(
-                node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline))
+            got = self._on_node(node, len(idx), lambda t: self._write_on(
+                t, node, [keys[i] for i in idx], [ptrs[i] for i in idx], sub_sizes, deadline))
             for i, good in zip(idx, got.ok):
                 result[i] = result[i] or good
             if got.failed:

@@ -5,7 +5,7 @@ mapping and verifies the checksum on the copy (a slot rewritten mid-copy cannot 
 put: ``Reserve`` returns slots, the client copies in, hashing what it wrote, then ``Commit``
 (with those checksums) makes the keys visible once the master has them. The node never
 touches the bytes. Copies go through ``copy_many``: chunked copy-then-hash, several threads
-for large batches; leases, reservations and rounds are ``LeasedTransport``'s.
+for large batches; the client runs the rounds (``client/rounds.py``).
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Optional
 
 from .. import protocol as P
 from ..errors import StoreUnavailable
-from ..rpc import Channel
-from .base import ChecksumCounter, LeasedTransport, copy_many
+from .base import Transport, copy_many
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +70,11 @@ class Segment:
             pass
 
 
-class ShmTransport(LeasedTransport):
+class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True):
-        super().__init__(channel_for, checks, verify)
+    def __init__(self, verify: bool = True):
+        super().__init__(verify)
         self._segments: dict[str, Optional[Segment]] = {}
         self._lock = threading.Lock()
         self._next_sweep = 0.0

@@ -1,25 +1,21 @@
 """The tcp transport: bytes through the node's stream port.
 
-``TcpTransport`` (a ``LeasedTransport``) leases or reserves objects through the node's ZeroMQ
-port and moves their bytes through the node's stream port (transport/stream.py): straight
-between kernel and segment on the node, kernel and caller memory on the client.
+``TcpTransport`` moves the bytes of the objects the client leased or reserved (through the
+node's ZeroMQ port) through the node's stream port (transport/stream.py): straight between
+kernel and segment on the node, kernel and caller memory on the client.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from .. import protocol as P
-from ..rpc import Channel
-from .base import ChecksumCounter, LeasedTransport
+from .base import Transport
 from .stream_client import StreamClient
 
 
-class TcpTransport(LeasedTransport):
+class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True, token: str = ""):
-        super().__init__(channel_for, checks, verify)
+    def __init__(self, verify: bool = True, token: str = ""):
+        super().__init__(verify)
         self.streams = StreamClient(token)
 
     def fetch(self, node, offsets, dsts, sizes, until):

@@ -28,8 +28,8 @@ limit, kept short by building the client's TE with ``MC_TRANSFER_TIMEOUT = max(5
 unless the user set it). ``counters["late_released"]`` counts staging buffers freed only once
 an abandoned transfer finished.
 
-Leases, reservations, rounds and verification are ``LeasedTransport``'s (transport/base.py),
-shared with shm and tcp; this module only moves the bytes.
+Leases, reservations, rounds and verification are the client's (client/rounds.py), shared
+with shm and tcp; this module only moves the bytes.
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ from typing import Callable, Optional
 
 from .. import protocol as P
 from ..errors import HicacheError
-from ..rpc import Channel
-from .base import ChecksumCounter, LeasedTransport, groups, hash_many, memmove
+from .base import Transport, groups, hash_many, memmove
 from .mooncake import (MooncakeUnavailable, SharedEngine, Staging, TransferEngineError,
                        resolve_device, route_address)
 
@@ -58,14 +57,13 @@ REAP_LIMIT_S = 300.0  # an abandoned transfer still running after this is left (
 _NO_BATCH = (0, -1, (1 << 64) - 1)   # batch_transfer_async_* failed: 0, or -1 as uint64
 
 
-class MooncakeTransport(LeasedTransport):
+class MooncakeTransport(Transport):
     name = "mooncake"
 
-    def __init__(self, channel_for: Callable[[str], Channel], checks: ChecksumCounter,
-                 verify: bool = True, *, master: str = "",
+    def __init__(self, verify: bool = True, *, master: str = "",
                  protocol: str = "", device: str = "", metadata: str = "P2PHANDSHAKE",
                  hostname: str = "", staging_bytes: int = 64 << 20, timeout_s: float = 5.0):
-        super().__init__(channel_for, checks, verify)
+        super().__init__(verify)
         self.master, self.protocol, self.device = master, protocol, device
         self.metadata, self.hostname = metadata, hostname
         self.staging_bytes, self.timeout_s = staging_bytes, timeout_s

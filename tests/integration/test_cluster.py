@@ -149,8 +149,11 @@ def test_a_stale_record_of_a_restarted_node_is_neither_read_nor_written_through(
         assert c.batch_put_from(["stale/a"], [src.ctypes.data], [src.nbytes]) == [True]
         dst = np.zeros_like(src)
         # ... but through the old record: a miss, not a checksum failure; and no put
-        assert c.shm.read(old, ["stale/a"], [dst.ctypes.data], [dst.nbytes], time.monotonic() + 5) == [False]
-        assert c.shm.write(old, ["stale/b"], [src.ctypes.data], [src.nbytes], time.monotonic() + 5) == [False]
+        ch = c._channel(old.address)
+        assert c.rounds.read(ch, c.shm, old, ["stale/a"], [dst.ctypes.data], [dst.nbytes],
+                             time.monotonic() + 5) == [False]
+        assert c.rounds.write(ch, c.shm, old, ["stale/b"], [src.ctypes.data], [src.nbytes],
+                              time.monotonic() + 5).ok == [False]
         assert c.checks.failures == 0
         stats = request(old.address, P.NodeStatsRequest()).stats
         assert stats["reserved"] == 0 and stats["quarantined"] == 0
