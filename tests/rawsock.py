@@ -78,3 +78,50 @@ class Forwarder:
         for key in list(self.sel.get_map().values()):
             key.fileobj.close()
         self.sel.close()
+
+
+def stream_login(address: str, cred, rcvbuf: int = 0) -> socket.socket:
+    """A stream-port connection (``host:port``) that has passed the handshake as ``cred``
+    (an ``auth.Credential``); ``rcvbuf``: a receive buffer this small (set before connecting,
+    so the window stays small), to stall a transfer by not reading."""
+    from hicache_mc.transport.stream import _answer
+
+    host, port = address.rsplit(":", 1)
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(5)
+    s.connect((host, int(port)))
+    hello = recv_exact(s, 33)
+    s.sendall(_answer(cred.claim, cred.seed, hello[1:]))
+    verdict = recv_exact(s, 1)
+    assert verdict == b"\0", verdict
+    return s
+
+
+def stream_header(op: str, segment: str, ranges: list) -> bytes:
+    """A stream-port request header as the wire format says (length, then msgpack)."""
+    import struct
+
+    import msgpack
+
+    from hicache_mc.transport.stream import STREAM_VERSION
+
+    body = msgpack.packb({"v": STREAM_VERSION, "op": op, "segment": segment, "ranges": ranges})
+    return struct.pack("!I", len(body)) + body
+
+
+def recv_until_closed(s: socket.socket, most: int, idle_s: float = 15.0) -> bytes:
+    """What ``s`` still delivers (at most ``most`` bytes) until the peer closes it or sends
+    nothing for ``idle_s``."""
+    out = bytearray()
+    s.settimeout(idle_s)
+    while len(out) < most:
+        try:
+            part = s.recv(min(1 << 20, most - len(out)))
+        except (socket.timeout, ConnectionResetError):
+            break
+        if not part:
+            break
+        out += part
+    return bytes(out)

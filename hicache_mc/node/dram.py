@@ -19,9 +19,11 @@ Contract (the node loop is the only caller; nothing else reads or writes the tie
 Reuse safety: a slot is freed only once nothing holds it. A lease holds it until the reader
 releases it or the lease ends (a reader that dies never releases); an object removed while
 leased is quarantined until then, so a reader never sees its slot rewritten mid-copy. The SSD
-writer holds it while it reads the slot. Slots nobody holds are reused at once. Checksums
-(computed by writers, verified by readers) catch anything else, e.g. a writer still copying
-after its reservation expired.
+writer holds it while it reads the slot, and a stream-port transfer while it moves it
+(``transfers``: ``transport/grants.py``; such a slot comes back once the transfer ends). Slots
+nobody holds are reused at once. Checksums (computed by writers, verified by readers) catch
+anything else: a same-host or Transfer Engine writer still copying after its reservation
+expired (those copy without the node).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import mmap
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from ..errors import HicacheError
 from ..transport.shm import MAGIC
@@ -44,6 +46,27 @@ HEADER_BYTES = 4096          # segment header: magic + segment id; objects start
 PREFAULT_CHUNK = 256 << 20   # the prefault's step (see DramTier._prefault)
 MADV_POPULATE_WRITE = 23     # Linux 5.14+; Python's mmap module does not name it
 SLOT_ALIGN = 256             # objects start on this boundary and take their size rounded up to it
+
+
+class Transfers(Protocol):
+    """Who else may be moving a slot's bytes (the stream port: ``transport/grants.py``)."""
+
+    def hold(self, offset: int) -> bool:
+        """Whether the slot at ``offset`` is being moved (its offset then comes back from
+        ``take_unpinned`` once it is not)."""
+
+    def take_unpinned(self) -> list[int]:
+        """Offsets ``hold`` kept that nothing moves any more."""
+
+
+class NoTransfers:
+    """No one but shm and Transfer Engine clients, which copy without the node."""
+
+    def hold(self, offset: int) -> bool:
+        return False
+
+    def take_unpinned(self) -> list[int]:
+        return []
 
 
 @dataclass(eq=False)
@@ -62,8 +85,10 @@ class Slot:
 
 class DramTier:
     def __init__(self, path: str, capacity: int, segment_id: str, lease_s: float,
-                 high_watermark: float, low_watermark: float, prefault: bool = False):
+                 high_watermark: float, low_watermark: float, prefault: bool = False,
+                 transfers: Transfers = NoTransfers()):
         self.path = path
+        self._transfers = transfers
         self.capacity = capacity
         self.lease_s = lease_s
         self.high = int(capacity * high_watermark)
@@ -84,9 +109,9 @@ class DramTier:
         self._alloc = SlotAllocator(HEADER_BYTES, capacity, SLOT_ALIGN)
         self._objects: "OrderedDict[str, Slot]" = OrderedDict()   # LRU order: oldest first
         self._reserved: dict[str, tuple[Slot, float]] = {}        # key -> (slot, commit deadline)
-        self._quarantine: list[tuple[float, int]] = []            # (release time, offset)
-        self._held: dict[int, Slot] = {}                          # offset -> quarantined slot
-        self._quarantined_bytes = 0
+        self._quarantine: list[tuple[float, int]] = []            # (lease end, offset)
+        self._held: dict[int, Slot] = {}        # offset -> slot removed, not free yet (leased, moved)
+        self._held_bytes = 0
         self._dropped: list[tuple[str, int]] = []     # (key, size) evicted, no copy on SSD
         self.evictions = 0
         # Without an SSD tier, eviction may drop any object. With one, only copies already on
@@ -156,7 +181,7 @@ class DramTier:
         0 while under the high watermark."""
         if self._alloc.used <= self.high:
             return 0
-        return self._alloc.used - self._quarantined_bytes - self.low
+        return self._alloc.used - self._held_bytes - self.low
 
     # ------------------------------------------------------------ writes
 
@@ -209,7 +234,7 @@ class DramTier:
         if held is None or held[0].offset != offset:
             return None
         del self._reserved[key]
-        self._alloc.free(offset, held[0].size)
+        self._recycle(held[0])
         return held[0]
 
     # ------------------------------------------------------------ reads
@@ -237,9 +262,8 @@ class DramTier:
             return
         slot.lease_until = 0.0
         if self._held.get(offset) is slot and not slot.busy:
-            del self._held[offset]
-            self._quarantined_bytes -= slot.size
-            self._alloc.free(slot.offset, slot.size)
+            self._unhold(slot)
+            self._recycle(slot)
 
     # ------------------------------------------------------------ the SSD writer
 
@@ -305,16 +329,32 @@ class DramTier:
         return out
 
     def _free(self, slot: Slot, now: float) -> None:
+        """``slot`` left the index: free it once nothing holds it."""
         if slot.busy:
-            slot.removed = True
+            slot.removed = True         # freed by written()
         elif slot.lease_until > now:
             heapq.heappush(self._quarantine, (slot.lease_until, slot.offset))
-            self._held[slot.offset] = slot
-            self._quarantined_bytes += slot.size
+            self._hold(slot)
+        else:
+            self._recycle(slot)
+
+    def _recycle(self, slot: Slot) -> None:
+        """Free a slot no lease or SSD write holds, unless a transfer still moves it."""
+        if self._transfers.hold(slot.offset):
+            self._hold(slot)            # back through take_unpinned
         else:
             self._alloc.free(slot.offset, slot.size)
 
+    def _hold(self, slot: Slot) -> None:
+        self._held[slot.offset] = slot
+        self._held_bytes += slot.size
+
+    def _unhold(self, slot: Slot) -> None:
+        del self._held[slot.offset]
+        self._held_bytes -= slot.size
+
     def _release_quarantine(self, now: float) -> None:
+        """Free the held slots whose leases ended, and those no transfer moves any more."""
         q = self._quarantine
         while q and q[0][0] <= now:
             _, offset = heapq.heappop(q)
@@ -322,9 +362,13 @@ class DramTier:
             # None: released early by its readers; a later lease end: the slot was reused and
             # quarantined again, and that entry is still in the heap
             if slot is not None and slot.lease_until <= now:
-                del self._held[offset]
-                self._quarantined_bytes -= slot.size
-                self._alloc.free(offset, slot.size)
+                self._unhold(slot)
+                self._recycle(slot)
+        for offset in self._transfers.take_unpinned():
+            slot = self._held.get(offset)
+            if slot is not None and slot.lease_until <= now and not slot.busy:
+                self._unhold(slot)
+                self._recycle(slot)
 
     def maintain(self, now: float) -> list[tuple[str, int]]:
         """Expire stale reservations, release quarantine, evict above the high watermark;
@@ -340,7 +384,7 @@ class DramTier:
         if self._alloc.used > self.high:
             # quarantined bytes come back by themselves once their leases end
             victims = iter(list(self._objects.items()))
-            while self._alloc.used - self._quarantined_bytes > self.low:
+            while self._alloc.used - self._held_bytes > self.low:
                 if not self._evict_next(victims, now):
                     break
         return lapsed

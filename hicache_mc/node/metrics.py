@@ -33,6 +33,7 @@ def node_families(node: str, st: dict, rejected: dict, latency: dict) -> list:
                 "stream_reads": "objects read through the stream port",
                 "stream_writes": "objects written through the stream port",
                 "stream_refused": "stream-port requests refused (bad header or range)",
+                "stream_cut": "stream-port transfers cut because their lease or reservation ended",
                 "stream_auth_failed": "stream-port peers refused at the handshake (wrong token)",
                 "stream_auth_timeout": "stream-port peers that did not answer the handshake in time",
                 "stream_shed": "stream-port peers dropped to make room (connection caps)"}

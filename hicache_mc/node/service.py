@@ -60,8 +60,10 @@ class StorageNode(Service):
         remove_stale_segments(config.shm_dir)
         seg_id = uuid.uuid4().hex[:8]
         path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
-        dram = DramTier(path, config.dram, seg_id, config.lease_s,
-                        config.high_watermark, config.low_watermark, config.prefault)
+        # what each peer may move through the stream port, and the transfers moving it now
+        self.grants = Grants()
+        dram = DramTier(path, config.dram, seg_id, config.lease_s, config.high_watermark,
+                        config.low_watermark, config.prefault, transfers=self.grants)
         ssd = None
         if config.ssd > 0:
             self._wake_r, self._wake_w = os.pipe()
@@ -75,7 +77,6 @@ class StorageNode(Service):
         self.dram = dram
         host = advertised_host(config)      # the host part of every address the node publishes
         self.te = self._transfer_engine(config, dram, host)
-        self.grants = Grants()      # what each peer may move through the stream port
         try:
             self.streams = StreamServer(dram.mm, config.host, config.data_port, HEADER_BYTES, seg_id,
                                         self.guard.stream_key, self.grants)

@@ -166,15 +166,24 @@ def groups(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     return out
 
 
+class GrantEnded(ConnectionError):
+    """The lease or reservation a transfer moves bytes under ended mid-way: the transfer is cut."""
+
+
 def recv_hash(sock: socket.socket, view: memoryview, digest: bool = True,
-               deadline: Optional[float] = None, stall: Optional[float] = None) -> Optional[int]:
+              deadline: Optional[float] = None, stall: Optional[float] = None,
+              live: Optional[Callable[[], bool]] = None) -> Optional[int]:
     """Fill ``view`` from the socket, all of it by ``deadline`` or each CHUNK within ``stall``
     seconds when given; with ``digest``, the xxh3-64 of what arrived, each chunk hashed as it
-    lands (from cache)."""
+    lands (from cache). ``live`` is asked before each CHUNK: GrantEnded when it says no."""
     h, got, n, mark = xxhash.xxh3_64() if digest else None, 0, len(view), 0
     while got < n:
-        if stall is not None and got >= mark:
-            deadline, mark = time.monotonic() + stall, got + CHUNK
+        if got >= mark:
+            if live is not None and not live():
+                raise GrantEnded("the reservation ended mid-transfer")
+            if stall is not None:
+                deadline = time.monotonic() + stall
+            mark = got + CHUNK
         if deadline is not None:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
         k = sock.recv_into(view[got:], min(CHUNK, n - got))

@@ -29,9 +29,13 @@ then requests, one at a time:
 
 A range must lie inside the segment's data area and be granted to the connection's principal:
 a read the ``[offset, +size)`` of an object the node leased to it, a write one of a slot it
-reserved for it, until released, committed or expired (``grants.py``). ``segment`` is the id
-of the segment the client's offsets are in: a node that restarted at the same address (and
-port) refuses offsets into its predecessor's segment instead of writing them over its own.
+reserved for it, until released, committed or expired (``grants.py``). A request names each
+range once, and one lease or reservation carries one transfer at a time. The transfer pins its
+slots (nothing reuses them until it ends), and before each CHUNK it checks that its grant still
+stands: once it was released, committed or expired, the node cuts the connection
+(``stream_cut``). ``segment`` is the id of the segment the client's offsets are in: a node that
+restarted at the same address (and port) refuses offsets into its predecessor's segment
+instead of writing them over its own.
 
 What a peer can cost: peers that have not answered their nonce are all handled by one thread
 (a selectors loop), each holding a 32-byte buffer, at most PENDING_MAX of them (a newcomer
@@ -62,7 +66,7 @@ from ..auth import Principal
 from ..errors import ProtocolError
 from .grants import Grants
 from ..protocol import MAX_KEYS
-from .base import CHUNK, buffer_at, recv_bytes, recv_hash
+from .base import CHUNK, GrantEnded, buffer_at, recv_bytes, recv_hash
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +183,8 @@ class StreamServer:
         self._stopping = False
         self._warned: dict[str, float] = {}
         self.counters = {"stream_reads": 0, "stream_writes": 0, "stream_refused": 0,
-                         "stream_auth_failed": 0, "stream_auth_timeout": 0, "stream_shed": 0}
+                         "stream_cut": 0, "stream_auth_failed": 0, "stream_auth_timeout": 0,
+                         "stream_shed": 0}
         self._gate = threading.Thread(target=self._handshakes, name="hicache-mc-stream", daemon=True)
         self._gate.start()
         log.info("stream port on %s", self.address)
@@ -309,38 +314,50 @@ class StreamServer:
                     if raw is None:
                         return              # the client went away, or idled past IDLE_S
                     op, ranges = _decode(raw, self.low, self.size, self.segment)
-                    bad = self.grants.refused(who, ranges, op == "write", time.monotonic())
-                    if bad is not None:
-                        raise ProtocolError(f"range {list(bad)} is not {'reserved' if op == 'write' else 'leased'} "
-                                            "to this peer")
+                    transfer = self.grants.open(who, ranges, op == "write", time.monotonic())
                 except ProtocolError as exc:
                     self.counters["stream_refused"] += 1
                     self._warn("refused", "stream port: refused a request: %s", exc)
                     conn.settimeout(BODY_S)
                     conn.sendall(_refusal(str(exc)))
                     return
-                conn.settimeout(BODY_S)     # each sendall: one CHUNK within BODY_S
-                # counted before the reply: a client that has its answer sees it in the stats
-                if op == "read":
-                    self.counters["stream_reads"] += len(ranges)
-                    conn.sendall(OK)
-                    for off, size in ranges:
-                        view = buffer_at(self.base + off, size)
-                        for i in range(0, size, CHUNK):
-                            conn.sendall(view[i: i + CHUNK])
-                else:   # each chunk hashed right after it lands (from cache)
-                    sums = [recv_hash(conn, buffer_at(self.base + off, size), stall=BODY_S)
-                            for off, size in ranges]
-                    body = msgpack.packb(sums)
-                    self.counters["stream_writes"] += len(ranges)
-                    conn.settimeout(BODY_S)
-                    conn.sendall(OK + _LEN.pack(len(body)) + body)
+                try:
+                    self._move(conn, op, ranges, transfer)
+                finally:
+                    transfer.close()
+        except GrantEnded as exc:
+            self.counters["stream_cut"] += 1
+            self._warn("cut", "stream port: cut a transfer: %s", exc)
         except OSError:
             pass            # the client vanished mid-transfer, or stalled: its lease lapses
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _move(self, conn: socket.socket, op: str, ranges: list[tuple[int, int]], transfer) -> None:
+        """Send (read) or take in (write) the ranges of one request, checking before each
+        CHUNK that its grant still stands (GrantEnded when not)."""
+        conn.settimeout(BODY_S)     # each sendall: one CHUNK within BODY_S
+        # counted before the reply: a client that has its answer sees it in the stats
+        if op == "read":
+            self.counters["stream_reads"] += len(ranges)
+            conn.sendall(OK)
+            for i, (off, size) in enumerate(ranges):
+                view = buffer_at(self.base + off, size)
+                for at in range(0, size, CHUNK):
+                    if not transfer.live(i):
+                        raise GrantEnded(f"the lease of {[off, size]} ended mid-transfer")
+                    conn.sendall(view[at: at + CHUNK])
+            return
+        sums = []       # each chunk hashed right after it lands (from cache)
+        for i, (off, size) in enumerate(ranges):
+            sums.append(recv_hash(conn, buffer_at(self.base + off, size), stall=BODY_S,
+                                  live=lambda i=i: transfer.live(i)))
+        body = msgpack.packb(sums)
+        self.counters["stream_writes"] += len(ranges)
+        conn.settimeout(BODY_S)
+        conn.sendall(OK + _LEN.pack(len(body)) + body)
 
     def _header(self, conn: socket.socket) -> Optional[bytes]:
         """The next request's header (None: the peer closed, or sent nothing for IDLE_S), its

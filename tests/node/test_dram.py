@@ -167,3 +167,40 @@ def test_the_segment_file_is_the_nodes_own(tmp_path):
         assert stat.S_IMODE(os.stat(tmp_path / "mine").st_mode) == 0o600
     finally:
         t.close()
+
+
+def test_a_slot_a_stream_transfer_moves_is_reused_only_once_it_ends(tmp_path):
+    """Given back (or its object removed and released) while a stream-port transfer still
+    moves it, a slot stays out of reuse until the transfer ends."""
+    import time
+
+    from hicache_mc.auth import Principal
+    from hicache_mc.transport.grants import Grants
+
+    grants, who = Grants(), Principal("client", "a")
+    t = DramTier(str(tmp_path / "pinned"), 1 << 20, "abcd1234", lease_s=1.0, high_watermark=0.9,
+                 low_watermark=0.5, transfers=grants)
+    try:
+        w = t.reserve("w", 256 << 10, 0.0, 10.0)
+        grants.grant(who, w.offset, w.size, True, time.monotonic() + 30)
+        moving = grants.open(who, [(w.offset, w.size)], True, 0.0)
+        assert grants.revoke(who, w.offset) and t.give_back("w", w.offset) is w
+        assert put(t, "r", 256 << 10, now=0.0)
+        leased = t.lease("r", 0.0)
+        grants.grant(who, leased.offset, leased.size, False, time.monotonic() + 30)
+        reading = grants.open(who, [(leased.offset, leased.size)], False, 0.0)
+        t.remove(["r"], 0.0)
+        assert grants.revoke(who, leased.offset)
+        t.release("r", leased.offset)               # the lease is over; the transfer is not
+        assert {t.reserve(f"n{i}", 256 << 10, 2.0, 1.0).offset for i in range(2)}.isdisjoint(
+            {w.offset, leased.offset})
+        assert t.reserve("full", 256 << 10, 2.0, 1.0) is None   # only the two moved slots left
+        assert t.stats()["quarantined"] == 2
+        moving.close()
+        reading.close()
+        t.maintain(3.0)
+        assert t.stats()["quarantined"] == 0
+        assert {t.reserve(f"m{i}", 256 << 10, 3.0, 1.0).offset for i in range(2)} == \
+            {w.offset, leased.offset}
+    finally:
+        t.close()

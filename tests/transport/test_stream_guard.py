@@ -282,13 +282,22 @@ def test_authenticated_connections_are_capped(server, monkeypatch):
             s.close()
 
 
+def refusal_of(grants, who, ranges, write, now) -> str:
+    """Why ``grants`` refuses the transfer ("" when it opens one, closed again at once)."""
+    try:
+        grants.open(who, ranges, write, now).close()
+    except ProtocolError as exc:
+        return str(exc)
+    return ""
+
+
 def test_lapsed_grants_are_refused_and_purged():
     grants, who = Grants(), ADMIN.principal
     grants.grant(who, LOW, 100, False, expires=10.0)
-    assert grants.refused(who, [(LOW, 100)], False, now=5.0) is None
-    assert grants.refused(who, [(LOW, 100)], True, now=5.0) == (LOW, 100)       # not a write
-    assert grants.refused(who, [(LOW, 101)], False, now=5.0) == (LOW, 101)      # past its end
-    assert grants.refused(who, [(LOW, 100)], False, now=10.0) == (LOW, 100)     # lapsed
+    assert refusal_of(grants, who, [(LOW, 100)], False, now=5.0) == ""
+    assert "not reserved" in refusal_of(grants, who, [(LOW, 100)], True, now=5.0)    # not a write
+    assert "not leased" in refusal_of(grants, who, [(LOW, 101)], False, now=5.0)     # past its end
+    assert "not leased" in refusal_of(grants, who, [(LOW, 100)], False, now=10.0)    # lapsed
     grants.purge(now=11.0)
     assert len(grants) == 0
     grants.grant(who, LOW, 100, False, expires=11.5)
@@ -296,3 +305,30 @@ def test_lapsed_grants_are_refused_and_purged():
     assert len(grants) == 1
     grants.purge(now=12.5)
     assert len(grants) == 0
+
+
+def test_a_transfer_names_each_range_once_and_one_per_lease():
+    grants, who = Grants(), ADMIN.principal
+    end = time.monotonic() + 30
+    grants.grant(who, LOW, 100, False, end)
+    grants.grant(who, LOW + 256, 100, False, end)
+    assert "more than once" in refusal_of(grants, who, [(LOW, 100), (LOW + 256, 100), (LOW, 100)],
+                                          False, 0.0)
+    first = grants.open(who, [(LOW, 100)], False, 0.0)
+    assert "being moved" in refusal_of(grants, who, [(LOW, 100)], False, 0.0)    # one lease
+    grants.grant(who, LOW, 100, False, end)                                       # a second one
+    assert refusal_of(grants, who, [(LOW, 100)], False, 0.0) == ""
+    first.close()
+
+
+def test_an_open_transfer_pins_its_slot_and_is_cut_once_its_grant_ends():
+    grants, who = Grants(), ADMIN.principal
+    grants.grant(who, LOW, 100, True, time.monotonic() + 30)
+    t = grants.open(who, [(LOW, 100)], True, 0.0)
+    assert t.live(0)
+    assert grants.revoke(who, LOW)                  # the writer gave the slot back ...
+    assert not t.live(0)                            # ... its transfer stops at the next chunk
+    assert grants.hold(LOW)                         # and the slot stays out of reuse until then
+    assert not grants.hold(LOW + 256) and grants.take_unpinned() == []
+    t.close()
+    assert grants.take_unpinned() == [LOW] and not grants.hold(LOW)
