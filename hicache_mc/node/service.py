@@ -140,7 +140,7 @@ class StorageNode(Service):
     def _on_master(self) -> None:
         quotas = self.master.on_readable()
         if quotas is not None:
-            self.store.quotas = quotas
+            self.store.set_quotas(quotas)
 
     def tick(self, now: float) -> None:
         self.master.tick(now, self.store.inventory, self.stats)

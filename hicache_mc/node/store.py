@@ -23,27 +23,27 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
   report goes (``drain_dropped``).
 - An object a reader found damaged, whose bytes fail its checksum here too, is removed
   (``drop_damaged``): a put of the key stores it again.
-- Tenants (the ``@tenant`` suffix of a key's namespace): bytes held and bytes reserved per
-  tenant are counted; a reservation is charged when made, credited back when it lapses or is
-  given back, and moves to the bytes held at commit. A tenant with a quota (this node's share,
-  sent by the master) that a reservation would take over it evicts its own least recently used
-  objects first (SSD-only ones, then DRAM), never another tenant's, and the write fails if
-  that cannot make room: no batch overruns a quota.
+- Tenants (the ``@tenant`` suffix of a key's namespace, ``tenants.py``): each tenant's keys,
+  bytes held and bytes reserved are kept; a reservation is charged when made, credited back
+  when it lapses or is given back, and moves to the bytes held at commit. A tenant with a quota
+  (this node's share, sent by the master) that a reservation would take over it evicts its own
+  least recently used objects first (SSD-only ones, then DRAM), never another tenant's, and
+  the write fails if that cannot make room: no batch overruns a quota. A clear walks the
+  clearing tenant's own keys.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import time
-from collections import defaultdict
 from typing import NamedTuple, Optional
 
 import xxhash
 
 from ..keys import tenant_of
-from ..protocol import MAX_TENANTS
 from .dram import DramTier
 from .ssd import Job, SsdTier
+from .tenants import Tenants
 from .writeback import Finished, WriteBack
 
 log = logging.getLogger(__name__)
@@ -91,14 +91,21 @@ class TieredStore:
         self.fsync_interval_s = fsync_interval_s
         dram.drop_dirty(ssd is None)
         self._writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
-        self.quotas: dict[str, int] = {}                      # tenant -> bytes this node may hold
-        self.usage: dict[str, int] = defaultdict(int)         # tenant -> bytes held (any tier)
-        self.reserved_bytes: dict[str, int] = defaultdict(int)  # tenant -> bytes reserved, not committed
-        self._gone: list[tuple[str, int]] = []                # (key, size) left the node: tell the master
+        self.tenants = Tenants()        # what each tenant holds here (read-only outside)
+        self._gone: list[str] = []      # keys that left the node: the master is to hear of them
         self.quota_evictions = 0
         if ssd is not None:
             for key, rec in ssd.items():
-                self.usage[tenant_of(key)] += rec.size
+                self.tenants.add(key, self._charge(rec.size))
+
+    @staticmethod
+    def _charge(size: int) -> int:
+        """What an object of ``size`` bytes counts against its tenant's quota."""
+        return size
+
+    def set_quotas(self, quotas: dict[str, int]) -> None:
+        """This node's share of each tenant's quota (tenant -> bytes), from the master."""
+        self.tenants.quotas = quotas
 
     # ------------------------------------------------------------ lookups
 
@@ -118,7 +125,7 @@ class TieredStore:
         reservation (``DramTier.give_back``, ``DramTier.release``)."""
         slot = self.dram.give_back(key, offset)
         if slot is not None:
-            self.reserved_bytes[tenant_of(key)] -= slot.size
+            self.tenants.unreserve(key, self._charge(slot.size))
         else:
             self.dram.release(key, offset)
 
@@ -132,6 +139,7 @@ class TieredStore:
         if slot is None and self.ssd is not None:
             slot = self._stage(key, now)
         if slot is not None:
+            self.tenants.touch(key)
             return Lease(Leased.OBJECT, slot.offset, slot.size, slot.checksum)
         on_ssd_only = self.ssd is not None and key in self.ssd and key not in self.dram
         return Lease(Leased.LATER if on_ssd_only else Leased.MISSING)
@@ -157,11 +165,11 @@ class TieredStore:
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
-        rec = self.ssd.remove(key)
+        self.ssd.remove(key)
         if key in self.dram:
             self.dram.set_on_ssd(key, False)
         else:
-            self._left(key, rec.size if rec else 0)
+            self._left(key)
 
     # ------------------------------------------------------------ writes
 
@@ -189,7 +197,7 @@ class TieredStore:
         self._collect()
         if slot is None:
             return FULL
-        self.reserved_bytes[tenant_of(key)] += size
+        self.tenants.reserve(key, self._charge(size))
         return Reservation(Reserved.SLOT, slot.offset)
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
@@ -206,7 +214,7 @@ class TieredStore:
             if size < 0 or size > max_value:
                 continue
             if key in seen or key in dram or dram.is_reserved(key) or key in on_ssd or \
-                    (self.quotas and tenant_of(key) in self.quotas):
+                    self.tenants.quota(self.tenants.tenant_of(key)) is not None:
                 out[i] = None       # the careful way, below
             else:
                 fresh.append(i)
@@ -220,7 +228,7 @@ class TieredStore:
             else:
                 for i, slot in zip(fresh, got):
                     out[i] = Reservation(Reserved.SLOT, slot.offset)
-                    self.reserved_bytes[tenant_of(keys[i])] += sizes[i]
+                    self.tenants.reserve(keys[i], self._charge(sizes[i]))
         for i, r in enumerate(out):
             if r is None:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s)
@@ -231,20 +239,16 @@ class TieredStore:
         """Make reserved slots readable objects: the object per key (None: nothing reserved,
         or, with ``offsets``, reserved at another offset: another writer's slot)."""
         out: list[Optional[Stored]] = []
-        usage, charged, tenants = self.usage, self.reserved_bytes, {}
-        commit = self.dram.commit
+        commit, tenants = self.dram.commit, self.tenants
         for i, (key, checksum) in enumerate(zip(keys, checksums)):
             obj = commit(key, checksum, None if offsets is None else offsets[i])
             if obj is None:
                 out.append(None)
                 continue
             out.append(Stored(obj.size, obj.checksum))
-            ns = key.partition("/")[0]
-            tenant = tenants.get(ns)
-            if tenant is None:
-                tenant = tenants[ns] = tenant_of(ns)
-            usage[tenant] += obj.size
-            charged[tenant] -= obj.size
+            charge = self._charge(obj.size)
+            tenants.unreserve(key, charge)
+            tenants.add(key, charge)
         return out
 
     # ------------------------------------------------------------ tenants
@@ -252,65 +256,62 @@ class TieredStore:
     def _within_quota(self, key: str, size: int, now: float) -> bool:
         """Make room for ``size`` more bytes of ``key``'s tenant (held and reserved) by evicting
         only its own objects."""
-        tenant = tenant_of(key)
-        quota = self.quotas.get(tenant)
-        if quota is None:
-            return True
-        need = self.usage[tenant] + self.reserved_bytes[tenant] + size - quota
+        tenants = self.tenants
+        tenant = tenants.tenant_of(key)
+        charge = self._charge(size)
+        need = tenants.over(tenant, charge)
         if need <= 0:
             return True
-        if size > quota:
+        if charge > tenants.quota(tenant):
             return False
-        victims = []
-        if self.ssd is not None:   # SSD-only objects are the colder ones
-            victims += [k for k in self.ssd.keys()
-                        if k not in self.dram and tenant_of(k) == tenant]
-        victims += [k for k, o in self.dram.items()
-                    if not o.busy and tenant_of(k) == tenant]
-        for k in victims:
+        mine = list(tenants.oldest(tenant))
+        in_dram = [k for k in mine if (s := self.dram.get(k)) is not None and not s.busy]
+        on_ssd_only = [k for k in mine if k not in self.dram]     # the colder ones: first
+        for k in on_ssd_only + in_dram:
             if need <= 0:
                 break
             need -= self._evict_entirely(k, now)
         return need <= 0
 
     def _evict_entirely(self, key: str, now: float) -> int:
-        """Remove ``key`` from every tier of this node (the master is told); returns its size."""
-        size = 0
+        """Remove ``key`` from every tier of this node (the master is told); what it was
+        charged to its tenant."""
         if key in self.dram:
-            size = self.dram.drop(key, now).size    # reported by _collect unless on SSD too
-        rec = self.ssd.remove(key) if self.ssd is not None else None
-        if rec is not None:
-            size = rec.size
-            self._left(key, size)
+            self.dram.drop(key, now)    # reported by _collect unless on SSD too
+        if self.ssd is not None:
+            self.ssd.remove(key)
+        charge = self._left(key)
         self._collect()
         self.quota_evictions += 1
-        return size
+        return charge
 
-    def _left(self, key: str, size: int) -> None:
-        """``key`` (``size`` bytes) left the node: out of its tenant's usage, and the master
-        is to hear of it."""
-        self.usage[tenant_of(key)] -= size
-        self._gone.append((key, size))
+    def _left(self, key: str) -> int:
+        """``key`` may have left the node: if so, its tenant is credited back what it was
+        charged (returned), and the master is to hear of it."""
+        charge = None if self.contains(key) else self.tenants.remove(key)
+        if charge is None:
+            return 0        # still here, or gone and reported already
+        self._gone.append(key)
+        return charge
 
     def _collect(self) -> None:
         """The objects DRAM evicted with no copy on SSD have left the node."""
-        for key, size in self.dram.take_dropped():
-            self._left(key, size)
+        for key, _ in self.dram.take_dropped():
+            self._left(key)
 
     def drain_dropped(self) -> list[str]:
         """Keys that left this node since the last call, for the master: not those stored
         again meanwhile (their commit is reported already; this report must not undo it)."""
         self._collect()
         gone, self._gone = self._gone, []
-        return [k for k, _ in gone if not self.contains(k)]
+        return [k for k in gone if not self.contains(k)]
 
     # ------------------------------------------------------------ removal
 
     def remove(self, keys: list[str], now: float) -> list[str]:
+        """Remove ``keys`` on purpose (the caller tells the master); the keys that were here."""
         for key in keys:
-            meta = self.meta(key)
-            if meta is not None:
-                self.usage[tenant_of(key)] -= meta[0]
+            self.tenants.remove(key)
         dram = self.dram
         # objects on their way to disk: their records land before the tombstones queued here
         writing = {k for k in keys if (s := dram.get(k)) is not None and s.busy}
@@ -335,13 +336,11 @@ class TieredStore:
         return self.remove(bad, now)
 
     def clear(self, prefix: str, now: float, tenant: Optional[str] = None) -> list[str]:
-        """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None)."""
-        keys = set(k for k in self.dram.keys() if k.startswith(prefix))
-        if self.ssd is not None:
-            keys.update(k for k in self.ssd.keys() if k.startswith(prefix))
-        if tenant is not None:
-            keys = {k for k in keys if tenant_of(k) == tenant}
-        return self.remove(sorted(keys), now)
+        """Remove the keys starting with ``prefix`` (of ``tenant`` only, unless None): the
+        tenant's own keys are walked, not every key on the node."""
+        if tenant is None and "/" in prefix:      # a whole namespace names its tenant
+            tenant = tenant_of(prefix)
+        return self.remove(sorted(self.tenants.keys(tenant, prefix)), now)
 
     # ------------------------------------------------------------ the SSD tier's side
 
@@ -353,9 +352,9 @@ class TieredStore:
     def maintain(self, now: float) -> None:
         """Timers: reservations that lapsed, watermarks, compaction, the periodic fsync."""
         for key, size in self.dram.maintain(now):     # reservations that lapsed
-            self.reserved_bytes[tenant_of(key)] -= size
-        for key, size in self._writeback.maintain(now):
-            self._left(key, size)
+            self.tenants.unreserve(key, self._charge(size))
+        for key, _ in self._writeback.maintain(now):
+            self._left(key)
         self._collect()
 
     def poll_done(self, now: float) -> list[Finished]:
@@ -391,7 +390,7 @@ class TieredStore:
             st["objects_total"] = len(set(self.dram.keys()) | set(self.ssd.keys()))
         else:
             st["objects_total"] = st["objects"]
-        st["tenants"] = top_tenants(self.usage)
+        st["tenants"] = self.tenants.usage()
         st["quota_evictions"] = self.quota_evictions
         st["degraded"] = self._writeback.problem     # "" while every tier works
         return st
@@ -401,14 +400,3 @@ class TieredStore:
         if self.ssd is not None:
             self.ssd.close()
         self.dram.close()
-
-
-def top_tenants(usage: dict[str, int], most: int = MAX_TENANTS) -> dict[str, int]:
-    """The bytes of the ``most - 1`` biggest tenants, the rest summed under "(other)": a
-    node's stats stay within what a heartbeat may carry however many tenants write to it."""
-    held = {t: b for t, b in usage.items() if b}
-    if len(held) < most:
-        return held
-    top = dict(sorted(held.items(), key=lambda kv: kv[1], reverse=True)[: most - 1])
-    top["(other)"] = sum(held.values()) - sum(top.values())
-    return top

@@ -121,8 +121,8 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
     try:
         put(st, "stored", b"s" * 100, 0.0)
         assert one(st, "busy", 100, 0.0) >= 0
-        st.quotas = {"t": 150}
-        st.usage["t"] = 100
+        st.set_quotas({"t": 150})
+        assert one(st, "ns@t/r", 100, 0.0) >= 0    # t's reservation in flight: 50 bytes left
         keys = ["n/1", "stored", "busy", "n/2", "n/1", "huge", "neg", "ns@t/q", "ns@u/r"]
         sizes = [100, 100, 100, 200, 100, 10 * MiB, -1, 100, 100]
         got = offs(st.reserve_many(keys, sizes, 0.0, 5.0, MiB))
@@ -133,7 +133,7 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         assert got[7] is Reserved.FULL                          # over tenant t's quota
         got = st.commit_many(["n/1", "n/2", "nothing"], [7, 8, 9])
         assert [o.size if o else None for o in got] == [100, 200, None]
-        assert st.usage[""] == 400 and st.meta("n/2") == (200, 8)
+        assert st.tenants.held("") == 400 and st.meta("n/2") == (200, 8)
         # with offsets: a commit naming another slot than the key's reservation commits nothing
         # (a writer whose reservation lapsed while another writer reserved the key elsewhere)
         a, b = offs(st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB))
@@ -151,7 +151,7 @@ def quota_store(tmp_path):
     dram = DramTier(str(tmp_path / "seg"), 8 * MiB, "abcd4444", lease_s=0.5,
                     high_watermark=0.9, low_watermark=0.5)
     st = TieredStore(dram, None, "none", 1.0)
-    st.quotas = {"t": 1000}
+    st.set_quotas({"t": 1000})
     yield st
     st.close()
 
@@ -165,12 +165,12 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(q
     b, c = offs(st.reserve_many(["ns@t/b", "ns@t/c"], [800, 2000], 1.0, 5.0, MiB))
     assert b >= 0 and c is Reserved.FULL
     assert "ns@t/a" not in dram and "other/x" in dram
-    assert st.drain_dropped() == ["ns@t/a"] and st.usage["t"] == 0
-    assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.usage["t"] == 800
+    assert st.drain_dropped() == ["ns@t/a"] and st.tenants.held("t") == 0
+    assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.tenants.held("t") == 800
 
 
 def test_stats_name_at_most_max_tenants_tenants():
-    from hicache_mc.node.store import top_tenants
+    from hicache_mc.node.tenants import top_tenants
     usage = {f"t{i}": i for i in range(1, 3001)}
     top = top_tenants(usage, most=1024)
     assert len(top) == 1024 and top["t3000"] == 3000 and "t1" not in top
@@ -184,15 +184,15 @@ def test_reservations_count_against_the_quota_until_committed_or_given_back(quot
     # one batch: each reservation counts at once, so no batch overruns the quota
     a, b, c = offs(st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB))
     assert a >= 0 and b >= 0 and c is Reserved.FULL
-    assert st.reserved_bytes["t"] == 800 and st.usage["t"] == 0
+    assert st.tenants.reserved("t") == 800 and st.tenants.held("t") == 0
     st.release("ns@t/a", a)                  # given back unfilled: credited back
-    assert st.reserved_bytes["t"] == 400
+    assert st.tenants.reserved("t") == 400
     st.maintain(6.0)                         # "b" lapsed: credited back
-    assert st.reserved_bytes["t"] == 0 and not dram.is_reserved("ns@t/b")
+    assert st.tenants.reserved("t") == 0 and not dram.is_reserved("ns@t/b")
     c, d = offs(st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB))
     assert c >= 0 and d >= 0
     assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
-    assert st.usage["t"] == 400 and st.reserved_bytes["t"] == 400
+    assert st.tenants.held("t") == 400 and st.tenants.reserved("t") == 400
 
 
 def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
@@ -204,7 +204,7 @@ def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
     d, e = offs(st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB))
     assert d >= 0 and e >= 0
     assert sorted(dram.keys()) == ["ns@t/c"]
-    assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.usage["t"] == 300
+    assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.tenants.held("t") == 300
 
 
 def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_value(store):
@@ -265,7 +265,7 @@ def test_an_eviction_is_not_reported_for_a_key_stored_again_before_the_report(tm
         dram.drop("gone", 0.0)
         put(st, "k", b"b" * 100, 0.0)       # stored again before the report went
         assert st.drain_dropped() == ["gone"]
-        assert st.usage[""] == 100
+        assert st.tenants.held("") == 100
     finally:
         st.close()
 
@@ -283,7 +283,7 @@ def test_an_object_a_reader_found_damaged_is_dropped_only_if_it_is(tmp_path):
         dram.mm[off] ^= 0xFF
         assert st.drop_damaged(["k"], [off + 256], 0.0) == []   # another object's offset
         assert st.drop_damaged(["k", "k"], [off, off], 0.0) == ["k"]
-        assert "k" not in dram and st.usage[""] == 0
+        assert "k" not in dram and st.tenants.held("") == 0
         put(st, "k", b"a" * 1000, 1.0)                          # a re-put stores it again
         assert read(st, "k", 1.0) == b"a" * 1000
     finally:
@@ -305,3 +305,37 @@ def test_recovery_leaves_out_records_whose_keys_no_message_may_carry(tmp_path):
         assert list(ssd.keys()) == ["ok"]
     finally:
         ssd.close()
+
+
+class Counted(str):
+    """A key that counts how often the store looks at its text."""
+    looks = 0
+
+    def startswith(self, *args):
+        Counted.looks += 1
+        return super().startswith(*args)
+
+    def partition(self, *args):
+        Counted.looks += 1
+        return super().partition(*args)
+
+    def split(self, *args, **kw):
+        Counted.looks += 1
+        return super().split(*args, **kw)
+
+
+def test_a_tenants_clear_walks_its_own_keys_only(quota_store):
+    """A clear costs O(the clearing tenant's objects), not a scan of every key on the node:
+    tenant u's clear never looks at tenant t's 2,000 keys."""
+    st = quota_store
+    st.set_quotas({})
+    theirs = [Counted(f"ns@t/{i}") for i in range(2000)]
+    for k in theirs:
+        put(st, k, b"x", 0.0)
+    put(st, "ns@u/a", b"a", 0.0)
+    put(st, "ns@u/b", b"b", 0.0)
+    Counted.looks = 0
+    assert st.clear("", 1.0, tenant="u") == ["ns@u/a", "ns@u/b"]
+    assert st.clear("ns@u/", 1.0) == []                 # an admin's clear of one namespace
+    assert Counted.looks == 0
+    assert st.clear("ns@t/1", 1.0, tenant="t")[:3] == ["ns@t/1", "ns@t/10", "ns@t/100"]
