@@ -69,7 +69,7 @@ class NoTransfers:
         return []
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """A range of the segment: an object, or a writer's reservation. Read-only outside
     DramTier."""
@@ -86,9 +86,14 @@ class Slot:
 class DramTier:
     def __init__(self, path: str, capacity: int, segment_id: str, lease_s: float,
                  high_watermark: float, low_watermark: float, prefault: bool = False,
-                 transfers: Transfers = NoTransfers()):
+                 transfers: Transfers = NoTransfers(), object_bytes: int = 0):
+        """``object_bytes``: the node's memory per slot beyond the segment (its records,
+        keys, index entries), counted against ``capacity`` with the slot's bytes: the tier
+        holds fewer objects the smaller they are, and its memory stays within ``capacity``."""
         self.path = path
         self._transfers = transfers
+        self._object_bytes = object_bytes
+        self._slots = 0             # slots not free: objects, reservations, held ones
         self.capacity = capacity
         self.lease_s = lease_s
         self.high = int(capacity * high_watermark)
@@ -168,20 +173,21 @@ class DramTier:
     def view(self, slot: Slot) -> memoryview:
         return memoryview(self.mm)[slot.offset: slot.offset + slot.size]
 
-    def rounded(self, size: int) -> int:
-        """The bytes of the segment an object of ``size`` takes."""
-        return self._alloc.rounded(size)
-
     @property
     def used(self) -> int:
-        return self._alloc.used
+        """Bytes counted against the capacity: the slots' and the memory each slot costs."""
+        return self._alloc.used + self._slots * self._object_bytes
+
+    def _room_for(self, need: int, slots: int) -> bool:
+        """Whether ``slots`` more slots of ``need`` segment bytes in all stay within capacity."""
+        return self.used + need + slots * self._object_bytes <= self.capacity
 
     def excess(self) -> int:
-        """Bytes to free to reach the low watermark (quarantined ones come back by themselves);
+        """Bytes to free to reach the low watermark (held slots come back by themselves);
         0 while under the high watermark."""
-        if self._alloc.used <= self.high:
+        if self.used <= self.high:
             return 0
-        return self._alloc.used - self._held_bytes - self.low
+        return self.used - self._held_bytes - self.low
 
     # ------------------------------------------------------------ writes
 
@@ -204,9 +210,12 @@ class DramTier:
         then reserve key by key)."""
         need = [self._alloc.rounded(s) for s in sizes]
         self._release_quarantine(now)
+        if not self._room_for(sum(need), len(need)):
+            return None
         offset = self._alloc.allocate(sum(need))
         if offset < 0:
             return None
+        self._slots += len(need)
         out, until, reserved = [], now + hold_s, self._reserved
         for key, size, n in zip(keys, sizes, need):
             slot = Slot(offset, size)
@@ -294,16 +303,21 @@ class DramTier:
     # ------------------------------------------------------------ space
 
     def _allocate(self, size: int, now: float) -> int:
+        """The offset of a free range of ``size`` bytes within capacity, evicting LRU objects
+        that may go until there is one; -1 when there is none."""
         self._release_quarantine(now)
-        offset = self._alloc.allocate(size)
-        if offset < 0:
-            victims = iter(list(self._objects.items()))
-            while offset < 0:
-                if not self._evict_next(victims, now):
-                    break
-                self._release_quarantine(now)
+        need, victims = self._alloc.rounded(size), None
+        while True:
+            if self._room_for(need, 1):
                 offset = self._alloc.allocate(size)
-        return offset
+                if offset >= 0:
+                    self._slots += 1
+                    return offset
+            if victims is None:
+                victims = iter(list(self._objects.items()))
+            if not self._evict_next(victims, now):
+                return -1
+            self._release_quarantine(now)
 
     def _evict_next(self, victims, now: float) -> bool:
         """Drop the next evictable object of ``victims`` (LRU order); False when none is left."""
@@ -344,14 +358,15 @@ class DramTier:
             self._hold(slot)            # back through take_unpinned
         else:
             self._alloc.free(slot.offset, slot.size)
+            self._slots -= 1
 
     def _hold(self, slot: Slot) -> None:
         self._held[slot.offset] = slot
-        self._held_bytes += slot.size
+        self._held_bytes += self._alloc.rounded(slot.size) + self._object_bytes
 
     def _unhold(self, slot: Slot) -> None:
         del self._held[slot.offset]
-        self._held_bytes -= slot.size
+        self._held_bytes -= self._alloc.rounded(slot.size) + self._object_bytes
 
     def _release_quarantine(self, now: float) -> None:
         """Free the held slots whose leases ended, and those no transfer moves any more."""
@@ -381,10 +396,10 @@ class DramTier:
             self._free(slot, now)
             log.warning("reservation for %s expired before commit; slot reclaimed", key)
         self._release_quarantine(now)
-        if self._alloc.used > self.high:
-            # quarantined bytes come back by themselves once their leases end
+        if self.used > self.high:
+            # held bytes come back by themselves once their leases and transfers end
             victims = iter(list(self._objects.items()))
-            while self._alloc.used - self._held_bytes > self.low:
+            while self.used - self._held_bytes > self.low:
                 if not self._evict_next(victims, now):
                     break
         return lapsed
@@ -401,7 +416,7 @@ class DramTier:
         return gone
 
     def stats(self) -> dict:
-        return {"objects": len(self._objects), "used": self._alloc.used, "capacity": self.capacity,
+        return {"objects": len(self._objects), "used": self.used, "capacity": self.capacity,
                 "reserved": len(self._reserved), "quarantined": len(self._held),
                 "evictions": self.evictions}
 

@@ -26,7 +26,7 @@ from .metrics import node_families
 from .naming import advertised_host, node_name
 from .ssd import SsdTier
 from .pending import PendingWrite
-from .store import Leased, Reserved, TieredStore
+from .store import NODE_OBJECT_BYTES, Leased, Reserved, TieredStore
 from .wire import lease_reply, reserve_reply
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class StorageNode(Service):
         # what each peer may move through the stream port, and the transfers moving it now
         self.grants = Grants()
         dram = DramTier(path, config.dram, seg_id, config.lease_s, config.high_watermark,
-                        config.low_watermark, config.prefault, transfers=self.grants)
+                        config.low_watermark, config.prefault, transfers=self.grants,
+                        object_bytes=NODE_OBJECT_BYTES)
         ssd = None
         if config.ssd > 0:
             self._wake_r, self._wake_w = os.pipe()

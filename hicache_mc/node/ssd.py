@@ -51,7 +51,7 @@ FORMAT_VERSION = 1
 KIND_OBJECT, KIND_TOMBSTONE = 1, 2
 
 
-@dataclass
+@dataclass(slots=True)
 class Rec:
     seg: int
     offset: int        # where the value starts in the segment file

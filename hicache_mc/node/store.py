@@ -41,12 +41,29 @@ from typing import NamedTuple, Optional
 import xxhash
 
 from ..keys import tenant_of
-from .dram import DramTier
+from .dram import SLOT_ALIGN, DramTier
 from .ssd import Job, SsdTier
 from .tenants import Tenants
 from .writeback import Finished, WriteBack
 
 log = logging.getLogger(__name__)
+
+# What an object costs beyond its bytes. The node: its records, key and index entries in RAM,
+# measured as a node process's RssAnon growth per object (benchmarks/bench_node_memory.py:
+# 560 B at 200k 1-byte objects with SGLang-shaped 89-character keys, 594 B at 50k; the storage
+# core alone holds 481 B per object in DRAM and 449 B per object on SSD only, by tracemalloc).
+# The DRAM tier counts it against its capacity with each slot.
+NODE_OBJECT_BYTES = 600
+# The master: its index entry per key (docs/architecture.md, 157 B at 1M keys).
+MASTER_KEY_BYTES = 160
+OBJECT_BYTES = NODE_OBJECT_BYTES + MASTER_KEY_BYTES
+
+
+def charge(size: int) -> int:
+    """What an object of ``size`` bytes counts against its tenant's quota: the DRAM slot it
+    takes (a multiple of SLOT_ALIGN, one at least: a 0-byte object too) and what its records
+    cost the node and the master."""
+    return max(SLOT_ALIGN, -(-size // SLOT_ALIGN) * SLOT_ALIGN) + OBJECT_BYTES
 
 
 class Reserved(enum.Enum):
@@ -96,12 +113,7 @@ class TieredStore:
         self.quota_evictions = 0
         if ssd is not None:
             for key, rec in ssd.items():
-                self.tenants.add(key, self._charge(rec.size))
-
-    @staticmethod
-    def _charge(size: int) -> int:
-        """What an object of ``size`` bytes counts against its tenant's quota."""
-        return size
+                self.tenants.add(key, charge(rec.size))
 
     def set_quotas(self, quotas: dict[str, int]) -> None:
         """This node's share of each tenant's quota (tenant -> bytes), from the master."""
@@ -125,7 +137,7 @@ class TieredStore:
         reservation (``DramTier.give_back``, ``DramTier.release``)."""
         slot = self.dram.give_back(key, offset)
         if slot is not None:
-            self.tenants.unreserve(key, self._charge(slot.size))
+            self.tenants.unreserve(key, charge(slot.size))
         else:
             self.dram.release(key, offset)
 
@@ -197,7 +209,7 @@ class TieredStore:
         self._collect()
         if slot is None:
             return FULL
-        self.tenants.reserve(key, self._charge(size))
+        self.tenants.reserve(key, charge(size))
         return Reservation(Reserved.SLOT, slot.offset)
 
     def reserve_many(self, keys: list[str], sizes: list[int], now: float, hold_s: float,
@@ -228,7 +240,7 @@ class TieredStore:
             else:
                 for i, slot in zip(fresh, got):
                     out[i] = Reservation(Reserved.SLOT, slot.offset)
-                    self.tenants.reserve(keys[i], self._charge(sizes[i]))
+                    self.tenants.reserve(keys[i], charge(sizes[i]))
         for i, r in enumerate(out):
             if r is None:
                 out[i] = self.reserve(keys[i], sizes[i], now, hold_s)
@@ -246,32 +258,41 @@ class TieredStore:
                 out.append(None)
                 continue
             out.append(Stored(obj.size, obj.checksum))
-            charge = self._charge(obj.size)
-            tenants.unreserve(key, charge)
-            tenants.add(key, charge)
+            cost = charge(obj.size)
+            tenants.unreserve(key, cost)
+            tenants.add(key, cost)
         return out
 
     # ------------------------------------------------------------ tenants
 
     def _within_quota(self, key: str, size: int, now: float) -> bool:
-        """Make room for ``size`` more bytes of ``key``'s tenant (held and reserved) by evicting
-        only its own objects."""
+        """Make room for an object of ``size`` bytes of ``key``'s tenant (held and reserved,
+        at what each is charged) by evicting only its own objects."""
         tenants = self.tenants
         tenant = tenants.tenant_of(key)
-        charge = self._charge(size)
-        need = tenants.over(tenant, charge)
+        cost = charge(size)
+        need = tenants.over(tenant, cost)
         if need <= 0:
             return True
-        if charge > tenants.quota(tenant):
+        if cost > tenants.quota(tenant):
             return False
-        mine = list(tenants.oldest(tenant))
-        in_dram = [k for k in mine if (s := self.dram.get(k)) is not None and not s.busy]
-        on_ssd_only = [k for k in mine if k not in self.dram]     # the colder ones: first
-        for k in on_ssd_only + in_dram:
+        for victim in self._victims(tenant):
+            need -= self._evict_entirely(victim, now)
             if need <= 0:
-                break
-            need -= self._evict_entirely(k, now)
-        return need <= 0
+                return True
+        return False
+
+    def _victims(self, tenant: str):
+        """The tenant's objects to evict for its quota, least recently used first: those on
+        SSD only (the colder ones), then those in DRAM that no SSD write holds. Each is looked
+        for from the oldest on, so the caller evicts one before it asks for the next."""
+        dram = self.dram
+        for wanted in (lambda k: k not in dram,
+                       lambda k: (s := dram.get(k)) is not None and not s.busy):
+            last = None
+            while (key := self.tenants.first(tenant, wanted)) is not None and key != last:
+                last = key
+                yield key
 
     def _evict_entirely(self, key: str, now: float) -> int:
         """Remove ``key`` from every tier of this node (the master is told); what it was
@@ -352,7 +373,7 @@ class TieredStore:
     def maintain(self, now: float) -> None:
         """Timers: reservations that lapsed, watermarks, compaction, the periodic fsync."""
         for key, size in self.dram.maintain(now):     # reservations that lapsed
-            self.tenants.unreserve(key, self._charge(size))
+            self.tenants.unreserve(key, charge(size))
         for key, _ in self._writeback.maintain(now):
             self._left(key)
         self._collect()

@@ -9,7 +9,7 @@ node, and a key that leaves is credited back exactly what it was charged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 from ..keys import tenant_of
 from ..protocol import MAX_TENANTS
@@ -82,10 +82,10 @@ class Tenants:
         ts = self._t.values() if tenant is None else [self._t[tenant]] if tenant in self._t else []
         return [k for t in ts for k in t.keys if k.startswith(prefix)]
 
-    def oldest(self, tenant: str) -> Iterator[str]:
-        """The tenant's keys, least recently used first (a snapshot)."""
+    def first(self, tenant: str, wanted: Callable[[str], bool]) -> Optional[str]:
+        """The tenant's least recently used key that is ``wanted``."""
         t = self._t.get(tenant)
-        return iter(list(t.keys) if t is not None else ())
+        return next((k for k in t.keys if wanted(k)), None) if t is not None else None
 
     # ------------------------------------------------------------ reservations and quotas
 

@@ -9,6 +9,7 @@ import numpy as np
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
 from hicache_mc.keys import KVNamespace, batch_page_keys, tenant_of
+from hicache_mc.node.store import charge
 from procs import request
 
 MiB = 1 << 20
@@ -56,31 +57,31 @@ def test_over_quota_tenant_evicts_its_own_objects_only(cluster):
         end = time.monotonic() + 10
         while time.monotonic() < end:
             tenants = cluster.stats()["tenants"]
-            if tenants.get("greedy", {}).get("used") == len(held) * MiB:
+            if tenants.get("greedy", {}).get("used") == len(held) * charge(MiB):
                 break
             time.sleep(0.1)
-        assert tenants["greedy"] == {"used": len(held) * MiB, "quota": 6 * MiB, "keys": len(held),
-                                     "key_limit": None}
-        assert tenants["polite"]["used"] == 8 * MiB and tenants["polite"]["quota"] is None
+        assert tenants["greedy"] == {"used": len(held) * charge(MiB), "quota": 6 * MiB,
+                                     "keys": len(held), "key_limit": None}
+        assert tenants["polite"]["used"] == 8 * charge(MiB) and tenants["polite"]["quota"] is None
 
 
 def test_quota_set_at_runtime_and_shown_in_stats(cluster):
     cluster.start_master()
     cluster.add_node(dram="64MiB")
     cluster.wait_nodes(1)
-    r = cli("quota", "--master", cluster.master, "teamq", "2MiB")
+    r = cli("quota", "--master", cluster.master, "teamq", "3MiB")
     assert r.returncode == 0, r.stderr
     time.sleep(3 * cluster.heartbeat_s)
     keys = batch_page_keys(ns("teamq"), [f"q{i}" for i in range(5)], ("k",))
     with StoreClient(cluster.master) as c:
         for i, k in enumerate(keys):
             assert c.put(k, blob(i))
-        assert sum(c.exists(k) for k in keys) == 2
+        assert sum(c.exists(k) for k in keys) == 2        # 3 x charge(1 MiB) > 3 MiB
         assert not c.put(batch_page_keys(ns("teamq"), ["huge"], ("k",))[0], b"x" * (3 * MiB))
     r = cli("stats", "--master", cluster.master)
     assert r.returncode == 0 and "teamq" in r.stdout and "tenant" in r.stdout
     r = cli("stats", "--master", cluster.master, "--json")
-    assert json.loads(r.stdout)["tenants"]["teamq"]["quota"] == 2 * MiB
+    assert json.loads(r.stdout)["tenants"]["teamq"]["quota"] == 3 * MiB
     assert cli("quota", "--master", cluster.master, "bad/name", "1MiB").returncode == 1
     assert cli("quota", "--master", cluster.master, "teamq", "none").returncode == 0
 
@@ -99,7 +100,8 @@ def test_clear_namespace_removes_only_that_namespace(store):
 
 def test_a_quota_holds_under_one_large_batch(cluster):
     """Reservations count against the quota: one 32 x 256 KiB batch under a 1 MiB quota stores
-    at most the quota plus one object, and the next batch replaces the tenant's own objects."""
+    what the quota holds (3 objects, at what each costs), and the next batch replaces the
+    tenant's own objects."""
     cluster.start_master()
     cluster.add_node(dram="64MiB")
     cluster.wait_nodes(1)
@@ -116,10 +118,10 @@ def test_a_quota_holds_under_one_large_batch(cluster):
             keys = batch_page_keys(ns("batchy"), [f"b{batch}-{i}" for i in range(32)], ("k",))
             ok = c.batch_put_from(keys, ptrs, sizes)
             held = c.batch_contains(keys)
-            assert 0 < sum(held) * size <= MiB + size, (batch, sum(held))
+            assert 0 < sum(held) * charge(size) <= MiB, (batch, sum(held))
             assert sum(ok) == sum(held)
             end = time.monotonic() + 10
-            while cluster.stats()["tenants"]["batchy"]["used"] != sum(held) * size:
+            while cluster.stats()["tenants"]["batchy"]["used"] != sum(held) * charge(size):
                 assert time.monotonic() < end, cluster.stats()["tenants"]
                 time.sleep(0.1)
         assert c.batch_contains(polite) == [True] * 4         # never another tenant's
@@ -141,3 +143,39 @@ def test_quotas_beyond_what_a_heartbeat_reply_carries_are_refused(cluster):
     assert len(stats["nodes"]) == 1 and stats["nodes_expired"] == 0
     with StoreClient(cluster.master) as c:
         assert c.put(batch_page_keys(ns("t1"), ["a"], ("k",))[0], b"x" * (2 * MiB)) is False
+
+
+def test_a_flood_of_empty_objects_is_charged_and_evicts_no_other_tenant(cluster):
+    """A 1 MiB-quota tenant puts 20 x 4096 empty objects into a 64 MiB node holding another
+    tenant's 40 x 1 MiB: each is charged what it costs (a slot and its records), so the tenant
+    holds at most 1 MiB / charge(0) of them, its usage says so, and the other tenant keeps
+    all of its objects."""
+    cluster.start_master()
+    cluster.add_node(dram="64MiB")
+    cluster.wait_nodes(1)
+    assert isinstance(request(cluster.master, P.QuotaRequest("tiny", MiB)), P.OkReply)
+    polite = batch_page_keys(ns("polite"), [f"p{i}" for i in range(40)], ("k",))
+    empty = np.zeros(1, np.uint8)
+    with StoreClient(cluster.master) as c:
+        for i, k in enumerate(polite):
+            assert c.put(k, blob(i))
+        probe = batch_page_keys(ns("tiny"), ["probe"], ("k",))[0]
+        end = time.monotonic() + 10                 # the node has learnt its share of the quota
+        while c.put(probe, b"x" * (2 * MiB)):
+            assert time.monotonic() < end, "the node never applied the quota"
+            c.clear(probe)
+            time.sleep(cluster.heartbeat_s)
+        for batch in range(20):
+            keys = batch_page_keys(ns("tiny"), [f"e{batch}-{i}" for i in range(4096)], ("k",))
+            ok = c.batch_put_from(keys, [empty.ctypes.data] * len(keys), [0] * len(keys))
+            assert sum(ok) > 0
+        end = time.monotonic() + 10     # the master's index and the node's heartbeat agree
+        while (st := cluster.stats())["keys"] != st["nodes"][0]["objects"]:
+            assert time.monotonic() < end, (st["keys"], st["nodes"][0]["objects"])
+            time.sleep(0.1)
+        assert st["keys"] <= 40 + MiB // charge(0)
+        assert 0 < st["tenants"]["tiny"]["used"] <= MiB
+        assert st["tenants"]["tiny"]["used"] == (st["keys"] - 40) * charge(0)
+        assert c.batch_exists(polite) == 40
+        for i, k in enumerate(polite):
+            assert c.get(k) == blob(i)

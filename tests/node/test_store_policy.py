@@ -7,7 +7,7 @@ import pytest
 
 from hicache_mc.node.dram import DramTier
 from hicache_mc.node.ssd import SsdTier
-from hicache_mc.node.store import Leased, Reserved, TieredStore
+from hicache_mc.node.store import Leased, Reserved, TieredStore, charge
 from hicache_mc.transport.base import checksum
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def test_writes_beyond_dram_wait_for_the_disk_instead_of_failing(store):
         assert read(store, k, 100.0) == b, k
     assert store.stats()["ssd_promotions"] >= 40 - 8
     assert store.drain_dropped() == []
-    assert store.stats()["tenants"] == {"": 40 * MiB}
+    assert store.stats()["tenants"] == {"": 40 * charge(MiB)}
 
 
 def test_an_ssd_only_object_without_dram_room_to_stage_is_a_miss(store):
@@ -121,8 +121,8 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
     try:
         put(st, "stored", b"s" * 100, 0.0)
         assert one(st, "busy", 100, 0.0) >= 0
-        st.set_quotas({"t": 150})
-        assert one(st, "ns@t/r", 100, 0.0) >= 0    # t's reservation in flight: 50 bytes left
+        st.set_quotas({"t": charge(100) * 3 // 2})
+        assert one(st, "ns@t/r", 100, 0.0) >= 0    # t's reservation in flight: half an object left
         keys = ["n/1", "stored", "busy", "n/2", "n/1", "huge", "neg", "ns@t/q", "ns@u/r"]
         sizes = [100, 100, 100, 200, 100, 10 * MiB, -1, 100, 100]
         got = offs(st.reserve_many(keys, sizes, 0.0, 5.0, MiB))
@@ -133,7 +133,7 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
         assert got[7] is Reserved.FULL                          # over tenant t's quota
         got = st.commit_many(["n/1", "n/2", "nothing"], [7, 8, 9])
         assert [o.size if o else None for o in got] == [100, 200, None]
-        assert st.tenants.held("") == 400 and st.meta("n/2") == (200, 8)
+        assert st.tenants.held("") == 2 * charge(100) + charge(200) and st.meta("n/2") == (200, 8)
         # with offsets: a commit naming another slot than the key's reservation commits nothing
         # (a writer whose reservation lapsed while another writer reserved the key elsewhere)
         a, b = offs(st.reserve_many(["o/a", "o/b"], [100, 100], 0.0, 5.0, MiB))
@@ -147,11 +147,11 @@ def test_reserve_many_agrees_with_reserve_key_by_key(tmp_path):
 
 @pytest.fixture
 def quota_store(tmp_path):
-    """A DRAM-only TieredStore whose tenant "t" may hold 1000 bytes on it."""
+    """A DRAM-only TieredStore whose tenant "t" has a quota on it (tests set its size)."""
     dram = DramTier(str(tmp_path / "seg"), 8 * MiB, "abcd4444", lease_s=0.5,
                     high_watermark=0.9, low_watermark=0.5)
     st = TieredStore(dram, None, "none", 1.0)
-    st.set_quotas({"t": 1000})
+    st.set_quotas({"t": 1 << 20})
     yield st
     st.close()
 
@@ -159,6 +159,7 @@ def quota_store(tmp_path):
 def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(quota_store):
     st = quota_store
     dram = st.dram
+    st.set_quotas({"t": charge(800) * 3 // 2})      # one object of 800 bytes, not two
     put(st, "ns@t/a", b"a" * 800, 0.0)
     put(st, "other/x", b"x" * 800, 0.0)
     # "b" evicts "a", its tenant's own older object; "c" is bigger than the whole quota
@@ -166,7 +167,7 @@ def test_a_tenant_over_its_quota_makes_room_from_its_own_objects_or_is_refused(q
     assert b >= 0 and c is Reserved.FULL
     assert "ns@t/a" not in dram and "other/x" in dram
     assert st.drain_dropped() == ["ns@t/a"] and st.tenants.held("t") == 0
-    assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.tenants.held("t") == 800
+    assert st.commit_many(["ns@t/b"], [1])[0] is not None and st.tenants.held("t") == charge(800)
 
 
 def test_stats_name_at_most_max_tenants_tenants():
@@ -181,30 +182,32 @@ def test_stats_name_at_most_max_tenants_tenants():
 def test_reservations_count_against_the_quota_until_committed_or_given_back(quota_store):
     st = quota_store
     dram = st.dram
+    st.set_quotas({"t": 2 * charge(400) + 100})     # two objects of 400 bytes
     # one batch: each reservation counts at once, so no batch overruns the quota
     a, b, c = offs(st.reserve_many(["ns@t/a", "ns@t/b", "ns@t/c"], [400] * 3, 0.0, 5.0, MiB))
     assert a >= 0 and b >= 0 and c is Reserved.FULL
-    assert st.tenants.reserved("t") == 800 and st.tenants.held("t") == 0
+    assert st.tenants.reserved("t") == 2 * charge(400) and st.tenants.held("t") == 0
     st.release("ns@t/a", a)                  # given back unfilled: credited back
-    assert st.tenants.reserved("t") == 400
+    assert st.tenants.reserved("t") == charge(400)
     st.maintain(6.0)                         # "b" lapsed: credited back
     assert st.tenants.reserved("t") == 0 and not dram.is_reserved("ns@t/b")
     c, d = offs(st.reserve_many(["ns@t/c", "ns@t/d"], [400, 400], 6.0, 5.0, MiB))
     assert c >= 0 and d >= 0
     assert st.commit_many(["ns@t/c"], [1])[0] is not None      # moved to usage
-    assert st.tenants.held("t") == 400 and st.tenants.reserved("t") == 400
+    assert st.tenants.held("t") == charge(400) and st.tenants.reserved("t") == charge(400)
 
 
 def test_a_tenant_over_its_quota_evicts_no_more_than_it_needs(quota_store):
     st = quota_store
     dram = st.dram
+    st.set_quotas({"t": 3 * charge(300) + 100})     # three objects of 300 bytes
     for k in "abc":
         put(st, f"ns@t/{k}", b"x" * 300, 0.0)
     # "d" evicts "a"; "e" then needs room for 300 more, which "b" alone makes
     d, e = offs(st.reserve_many(["ns@t/d", "ns@t/e"], [300, 300], 1.0, 5.0, MiB))
     assert d >= 0 and e >= 0
     assert sorted(dram.keys()) == ["ns@t/c"]
-    assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.tenants.held("t") == 300
+    assert st.drain_dropped() == ["ns@t/a", "ns@t/b"] and st.tenants.held("t") == charge(300)
 
 
 def test_a_key_cleared_and_put_again_during_its_write_through_keeps_the_new_value(store):
@@ -265,7 +268,7 @@ def test_an_eviction_is_not_reported_for_a_key_stored_again_before_the_report(tm
         dram.drop("gone", 0.0)
         put(st, "k", b"b" * 100, 0.0)       # stored again before the report went
         assert st.drain_dropped() == ["gone"]
-        assert st.tenants.held("") == 100
+        assert st.tenants.held("") == charge(100)
     finally:
         st.close()
 
@@ -339,3 +342,38 @@ def test_a_tenants_clear_walks_its_own_keys_only(quota_store):
     assert st.clear("ns@u/", 1.0) == []                 # an admin's clear of one namespace
     assert Counted.looks == 0
     assert st.clear("ns@t/1", 1.0, tenant="t")[:3] == ["ns@t/1", "ns@t/10", "ns@t/100"]
+
+
+def test_the_smallest_objects_are_charged_what_they_cost(quota_store):
+    """0-byte objects take a DRAM slot and the node's and the master's records: each counts
+    charge(0) against its tenant's quota, so a quota bounds a tenant's object count too."""
+    st = quota_store
+    st.set_quotas({"t": 100 * charge(0)})
+    put(st, "other/x", b"x" * 1000, 0.0)
+    for lo in range(0, 1000, 100):
+        keys = [f"ns@t/{i}" for i in range(lo, lo + 100)]
+        got = st.reserve_many(keys, [0] * 100, 0.0, 5.0, MiB)
+        assert all(r.outcome is Reserved.SLOT for r in got)     # each evicts t's oldest
+        st.commit_many(keys, [0] * 100)
+    assert st.tenants.held("t") == 100 * charge(0) and charge(0) > 256
+    assert st.stats()["tenants"] == {"t": 100 * charge(0), "": charge(1000)}
+    assert len(st.tenants.keys("t")) == 100 and "other/x" in st.dram
+
+
+def test_the_dram_tier_counts_each_objects_memory_against_its_capacity(tmp_path):
+    """With object_bytes, a tier of 1 MiB holds at most 1 MiB / (256 + object_bytes) empty
+    objects: the node's memory for them stays within the tier's size."""
+    t = DramTier(str(tmp_path / "meta"), 1 << 20, "abcd1234", lease_s=1.0, high_watermark=0.9,
+                 low_watermark=0.5, object_bytes=768)
+    try:
+        n = 0
+        while t.reserve(f"k{n}", 0, 0.0, 10.0) is not None:
+            n += 1
+            assert n <= 1024
+        assert n == (1 << 20) // (256 + 768) and t.used == n * 1024
+        for i in range(n):
+            assert t.commit(f"k{i}", 0) is not None
+        assert t.reserve("more", 0, 1.0, 10.0) is not None     # evicts the oldest
+        assert "k0" not in t and t.used == n * 1024
+    finally:
+        t.close()
