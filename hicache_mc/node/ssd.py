@@ -1,208 +1,35 @@
-"""SsdTier: append-only segment files on local disk, scanned back after a restart.
+"""SsdTier: the index and the space of the SSD tier, owned by the node loop.
 
-On-disk format (little endian), one record after another in ``seg-<n>.dat`` files of at most
-``segment_bytes`` each (a larger record gets a segment of its own)::
+Records live in append-only segment files (the format: ``ssd_format.py``), written by one
+thread (``ssd_writer.py``). A restart scans every segment in order: later records of a key
+replace earlier ones, and a tombstone removes it; a record whose key is longer than
+MAX_KEY_BYTES (no message could name it to the master) is left out. A value whose bytes were
+damaged is caught when read (its xxh3 is checked before it is served) and dropped. New records
+always go to a fresh segment after a restart, never after a possibly torn tail.
 
-    magic   4s   b"HCR1"
-    version u8   1
-    kind    u8   1 = object, 2 = tombstone (the key was removed on purpose)
-    key_len u16
-    hcrc    u32  crc32 of this header (with hcrc = 0) and the key
-    vlen    u64  value bytes that follow the key (0 for a tombstone)
-    vsum    u64  xxh3-64 of the value (the object's checksum, as clients verify it)
-    key     key_len bytes, UTF-8
-    value   vlen bytes
-
-A restart scans every segment in order; a header that fails its magic, version, crc or length
-check ends that segment's scan (a torn tail), and later segments go on; a record whose key is
-longer than MAX_KEY_BYTES (no message could name it to the master) is left out. A value whose
-bytes were damaged is caught when read (its xxh3 is checked before it is served) and dropped.
-New records always go to a fresh segment after a restart, never after a possibly torn tail.
-
-Threads: one writer thread owns the active segment and does every write (appends, tombstones,
-compaction copies, fsync). The node loop owns the index and does the reads (``pread``); it
-hears of finished jobs through ``poll_done``. A segment is deleted only by the loop, after
-every live record has left it.
+Threads: the writer thread owns the active segment and does every write; the node loop owns
+the index and does the reads (``pread``); it takes finished jobs with ``next_done``. A segment
+is deleted only by the loop, after every live record has left it.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import queue
-import struct
-import threading
-import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import xxhash
 
 from ..errors import HicacheError
 from ..limits import MAX_KEY_BYTES
+from .ssd_format import KIND_OBJECT, Rec, scan_segment
+from .ssd_writer import Job, SsdWriter
+
+__all__ = ["Job", "Rec", "SsdTier", "scan_segment"]
 
 log = logging.getLogger(__name__)
-
-HEADER = struct.Struct("<4sBBHIQQ")
-MAGIC = b"HCR1"
-FORMAT_VERSION = 1
-KIND_OBJECT, KIND_TOMBSTONE = 1, 2
-
-
-@dataclass(slots=True)
-class Rec:
-    seg: int
-    offset: int        # where the value starts in the segment file
-    size: int
-    checksum: int
-
-
-@dataclass
-class Job:
-    kind: str                                  # "append" | "tombstone" | "compact" | "fsync"
-    items: list = field(default_factory=list)  # append: (key, buffer, checksum); tombstone: keys
-    fsync: bool = False
-    tag: object = None                         # returned untouched with the result
-    result: list = field(default_factory=list) # (key, Rec | None) per item
-    error: Optional[str] = None
-    seg_sizes: dict = field(default_factory=dict)  # segment -> bytes written so far (after the job)
-
-
-def header_for(kind: int, key: bytes, vlen: int, vsum: int) -> bytes:
-    crc = zlib.crc32(HEADER.pack(MAGIC, FORMAT_VERSION, kind, len(key), 0, vlen, vsum) + key)
-    return HEADER.pack(MAGIC, FORMAT_VERSION, kind, len(key), crc, vlen, vsum) + key
-
-
-def scan_segment(path: str, seg: int):
-    """Yield (kind, key, Rec) for every intact record header of one segment file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        pos = 0
-        while pos + HEADER.size <= size:
-            f.seek(pos)
-            head = f.read(HEADER.size)
-            magic, ver, kind, klen, crc, vlen, vsum = HEADER.unpack(head)
-            if magic != MAGIC or ver != FORMAT_VERSION or kind not in (KIND_OBJECT, KIND_TOMBSTONE):
-                log.warning("%s: bad record header at %d; ignoring the rest of the segment", path, pos)
-                return
-            key = f.read(klen)
-            value_at = pos + HEADER.size + klen
-            if len(key) != klen or value_at + vlen > size:
-                log.warning("%s: torn record at %d; ignoring the rest of the segment", path, pos)
-                return
-            if zlib.crc32(HEADER.pack(MAGIC, ver, kind, klen, 0, vlen, vsum) + key) != crc:
-                log.warning("%s: record header checksum mismatch at %d; ignoring the rest", path, pos)
-                return
-            try:
-                name = key.decode()
-            except UnicodeDecodeError:
-                return
-            yield kind, name, Rec(seg, value_at, vlen, vsum)
-            pos = value_at + vlen
-
-
-class SsdWriter(threading.Thread):
-    """The one thread that appends to segment files."""
-
-    def __init__(self, directory: str, first_seg: int, segment_bytes: int, wake: Callable[[], None]):
-        super().__init__(name="ssd-writer", daemon=True)
-        self.dir = directory
-        self.segment_bytes = segment_bytes
-        self.wake = wake
-        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.done: "queue.Queue[Job]" = queue.Queue()
-        self.seg = first_seg
-        self.fd: Optional[int] = None
-        self.pos = 0
-        self.dirty = False
-        self._touched: dict[int, int] = {}   # segment -> size, for the job in progress
-
-    def path(self, seg: int) -> str:
-        return os.path.join(self.dir, f"seg-{seg:08d}.dat")
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                break
-            try:
-                self._do(job)
-            except OSError as exc:
-                job.error = f"{self.dir}: {os.strerror(exc.errno) if exc.errno else exc}"
-                self._roll()   # never append after a possibly torn record
-            except Exception as exc:  # a bug must not kill the writer
-                log.exception("ssd writer: unexpected error")
-                job.error = repr(exc)
-            job.seg_sizes = self._touched
-            self._touched = {}
-            self.done.put(job)
-            self.wake()
-        if self.fd is not None:
-            os.close(self.fd)
-
-    def _roll(self) -> None:
-        if self.fd is not None:
-            self._touched[self.seg] = os.fstat(self.fd).st_size
-            if self.dirty:   # a closed segment is a durable one: later fsyncs only see the new fd
-                try:
-                    os.fsync(self.fd)
-                except OSError:
-                    pass
-                self.dirty = False
-            os.close(self.fd)
-            self.fd = None
-            self.seg += 1
-            self.pos = 0
-
-    def _append(self, kind: int, key: str, value, vsum: int) -> Rec:
-        kb = key.encode()
-        head = header_for(kind, kb, len(value), vsum)
-        need = len(head) + len(value)
-        if self.fd is not None and self.pos > 0 and self.pos + need > self.segment_bytes:
-            self._roll()
-        if self.fd is None:
-            self.fd = os.open(self.path(self.seg), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self.pos = os.fstat(self.fd).st_size
-        parts = [head, value] if len(value) else [head]
-        written = os.writev(self.fd, parts)
-        while written < need:  # short writes happen on some filesystems near full
-            rest = (head + bytes(value))[written:]
-            n = os.write(self.fd, rest)
-            if n == 0:
-                raise OSError(errno.ENOSPC, "no space left")
-            written += n
-        rec = Rec(self.seg, self.pos + len(head), len(value), vsum)
-        self.pos += need
-        self._touched[self.seg] = self.pos
-        self.dirty = True
-        return rec
-
-    def _do(self, job: Job) -> None:
-        if job.kind in ("append", "compact"):
-            for key, value, vsum in job.items:
-                if job.kind == "compact":
-                    value = value()   # compaction reads lazily: the old record's bytes
-                    if value is None:
-                        job.result.append((key, None))
-                        continue
-                try:
-                    rec = self._append(KIND_OBJECT, key, value, vsum)
-                except (struct.error, UnicodeEncodeError) as exc:   # a bad record, not a bad disk
-                    log.warning("ssd: cannot write %r: %s", key[:80], exc)
-                    rec = None
-                job.result.append((key, rec))
-        elif job.kind == "tombstone":
-            for key in job.items:
-                self._append(KIND_TOMBSTONE, key, b"", 0)
-        if (job.fsync or job.kind == "fsync") and self.fd is not None and self.dirty:
-            os.fsync(self.fd)
-            self.dirty = False
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.join(timeout=10)
 
 
 class SsdTier:
