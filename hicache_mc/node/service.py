@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from typing import NamedTuple
 
 from .. import protocol as P
 from ..config import NodeConfig
@@ -30,6 +31,18 @@ from .store import NODE_OBJECT_BYTES, Leased, Reserved, TieredStore
 from .wire import lease_reply, reserve_reply
 
 log = logging.getLogger(__name__)
+
+
+class Held(NamedTuple):
+    """A reply held until the tombstones of the SSD records its request removed are written
+    (``TieredStore.bury``): then ``keys`` are reported to the master, and the reply goes once
+    it acknowledges them (``failed`` when it does not)."""
+    ident: bytes
+    req_id: int
+    reply: P.Message
+    failed: P.Message
+    keys: list[str]
+    cleared: bool = False       # removed by a clear, not evicted (the master counts them apart)
 
 
 def remove_stale_segments(shm_dir: str) -> None:
@@ -94,6 +107,7 @@ class StorageNode(Service):
                                te_protocol=config.te_protocol,
                                data_address=f"{host}:{self.streams.address.rsplit(':', 1)[1]}")
         self.master = MasterLink(self.ctx, config, self.info, self.reply)
+        self._held: dict[int, Held] = {}     # bury ticket -> the reply waiting for it
         self.add_socket(self.master.events, self.master.check)   # why it cannot reach the master
         self.add_socket(self.master.sock, self._on_master)
         self.enable_metrics(config.metrics_host, config.metrics_port)
@@ -129,12 +143,35 @@ class StorageNode(Service):
         except BlockingIOError:
             pass
         now = time.monotonic()
-        for pw, ok in self.store.poll_done(now):
+        done = self.store.poll_done(now)
+        for pw, ok in done.writes:
             failed = [k for k, good in zip(pw.keys, ok) if not good]
             if failed:   # not on disk as the policy promised: neither acknowledged nor kept
                 self.store.remove(failed, now)
                 pw.drop(set(failed))
             self._report(pw)
+        for ticket in done.buried:
+            held = self._held.pop(ticket, None)
+            if held is not None:
+                self._answer(held)
+        self.store.bury()
+
+    def _hold(self, ident: bytes, req_id: int, reply: P.Message, failed: P.Message,
+              removed: list[str], cleared: bool = False) -> None:
+        """Answer a request that removed ``removed`` (reported to the master first): once the
+        tombstones of the SSD records it removed are written, at once when there are none."""
+        held = Held(ident, req_id, reply, failed, removed, cleared)
+        ticket = self.store.bury()
+        if ticket is not None:
+            self._held[ticket] = held
+        else:
+            self._answer(held)
+
+    def _answer(self, held: Held) -> None:
+        if held.keys and self.master.evicted(held.keys, Waiter(*held[:4]), held.cleared):
+            return      # answered once the master acknowledges
+        # (not registered: the inventory it registers with leaves the keys out)
+        self.reply(held.ident, held.req_id, held.reply)
 
     # -------------------------------------------------------------- master
 
@@ -146,6 +183,7 @@ class StorageNode(Service):
     def tick(self, now: float) -> None:
         self.master.tick(now, self.store.inventory, self.stats)
         self.store.maintain(now)
+        self.store.bury()
         self.grants.purge(now)
         dropped = self.store.drain_dropped()
         if dropped:
@@ -184,9 +222,7 @@ class StorageNode(Service):
         gone = self.store.drop_damaged([msg.keys[i] for i in bad], [msg.offsets[i] for i in bad],
                                        time.monotonic()) if bad else []
         failed = P.ErrorReply("master_unavailable", "dropped damaged objects; the master did not confirm")
-        if gone and self.master.evicted(gone, Waiter(ident, req_id, P.OkReply(), failed)):
-            return None
-        return P.OkReply()
+        return self._hold(ident, req_id, P.OkReply(), failed, gone)
 
     def on_ReserveRequest(self, msg: P.ReserveRequest, ident, req_id):
         if len(msg.keys) != len(msg.sizes):
@@ -200,7 +236,9 @@ class StorageNode(Service):
         for slot, size in zip(slots, msg.sizes):
             if slot.outcome is Reserved.SLOT:
                 self.grants.grant(self.peer, slot.offset, size, True, until)
-        return reserve_reply(slots, self.config.reserve_s * 0.8, self.segment_id)
+        reply = reserve_reply(slots, self.config.reserve_s * 0.8, self.segment_id)
+        # the quota may have evicted SSD records: answered once they are buried for good
+        return self._hold(ident, req_id, reply, reply, [])
 
     def on_CommitRequest(self, msg: P.CommitRequest, ident, req_id):
         if not len(msg.keys) == len(msg.checksums) == len(msg.offsets):
@@ -231,13 +269,8 @@ class StorageNode(Service):
     def on_ClearRequest(self, msg: P.ClearRequest, ident, req_id):
         tenant = self.peer.tenant if self.peer.role == "client" else None
         gone = self.store.clear(msg.prefix, time.monotonic(), tenant)
-        if not gone:
-            return P.ClearReply(0)
         failed = P.ErrorReply("master_unavailable", f"removed {len(gone)} objects; the master did not confirm")
-        if self.master.evicted(gone, Waiter(ident, req_id, P.ClearReply(len(gone)), failed),
-                               cleared=True):
-            return None
-        return P.ClearReply(len(gone))      # not registered: its inventory leaves them out
+        return self._hold(ident, req_id, P.ClearReply(len(gone)), failed, gone, cleared=True)
 
     def metric_families(self) -> list:
         return node_families(self.node_id, self.stats(), self.rejected, self.latency)

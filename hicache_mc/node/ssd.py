@@ -24,6 +24,7 @@ import xxhash
 
 from ..errors import HicacheError
 from ..limits import MAX_KEY_BYTES
+from .seg_keys import SegmentKeys
 from .ssd_format import KIND_OBJECT, Rec, scan_segment
 from .ssd_writer import Job, SsdWriter
 
@@ -46,6 +47,7 @@ class SsdTier:
         self._seg_sizes: dict[int, int] = {}                    # bytes on disk per segment
         self._seg_live: dict[int, int] = {}                     # live value bytes per segment
         self._compacting: set[int] = set()
+        self._keys_in = SegmentKeys()       # which segments may hold records of a key
         self._fds: dict[int, int] = {}
         self._counters = {"demotions": 0, "promotions": 0, "compactions": 0, "evictions": 0,
                           "corrupt": 0, "write_errors": 0}
@@ -94,6 +96,7 @@ class SsdTier:
                 if kind == KIND_OBJECT:
                     self._index[key] = rec
                     self._seg_live[seg] += rec.size
+                    self._keys_in.add(seg, key)
         if segs:
             log.info("ssd tier %s: recovered %d objects from %d segments", self.dir, len(self._index), len(segs))
         if too_long:
@@ -161,6 +164,10 @@ class SsdTier:
             return None
         self._taken += 1
         self._note_sizes(job.seg_sizes)
+        if job.kind in ("append", "compact"):
+            for key, rec in job.result:
+                if rec is not None:
+                    self._keys_in.add(rec.seg, key)
         if job.error:
             self._counters["write_errors"] += 1
         return job
@@ -236,6 +243,15 @@ class SsdTier:
     def abandon_compaction(self, seg: int) -> None:
         self._compacting.discard(seg)
 
+    def buried_before(self, keys: list[str], seg: int) -> list[bool]:
+        """Per key: whether a segment older than ``seg`` may hold a record of it, which a
+        tombstone in ``seg`` buries (see ``SegmentKeys``)."""
+        return self._keys_in.may_hold_before(keys, seg)
+
+    def segments(self) -> list[int]:
+        """The segment files on disk, oldest first."""
+        return sorted(self._seg_sizes)
+
     def live_records(self, seg: int) -> list[tuple[str, Rec]]:
         return [(k, r) for k, r in self._index.items() if r.seg == seg]
 
@@ -250,6 +266,7 @@ class SsdTier:
         self._seg_sizes.pop(seg, None)
         self._seg_live.pop(seg, None)
         self._compacting.discard(seg)
+        self._keys_in.forget(seg)
 
     def stats(self) -> dict:
         return {"ssd_objects": len(self._index), "ssd_used": self.used, "ssd_capacity": self.capacity,

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .ssd_format import KIND_OBJECT, KIND_TOMBSTONE, Rec, header_for
+from .ssd_format import KIND_OBJECT, KIND_TOMBSTONE, Rec, header_for, scan_segment
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class Job:
     tag: object = None                         # returned untouched with the result
     result: list = field(default_factory=list) # (key, Rec | None) per item
     error: Optional[str] = None
+    seg: int = -1                              # compact: the segment it empties ...
+    tombs: list = field(default_factory=list)  # ... and the keys of that segment's tombstones
     seg_sizes: dict = field(default_factory=dict)  # segment -> bytes written so far (after the job)
 
 
@@ -121,6 +123,9 @@ class SsdWriter(threading.Thread):
                     log.warning("ssd: cannot write %r: %s", key[:80], exc)
                     rec = None
                 job.result.append((key, rec))
+            if job.kind == "compact":   # what the loop must carry on before the file goes
+                job.tombs = [key for kind, key, _ in scan_segment(self.path(job.seg), job.seg)
+                             if kind == KIND_TOMBSTONE]
         elif job.kind == "tombstone":
             for key in job.items:
                 self._append(KIND_TOMBSTONE, key, b"", 0)

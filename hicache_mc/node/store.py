@@ -42,7 +42,7 @@ import xxhash
 
 from ..keys import tenant_of
 from .dram import SLOT_ALIGN, DramTier
-from .ssd import Job, SsdTier
+from .ssd import SsdTier
 from .tenants import Tenants
 from .writeback import Finished, WriteBack
 
@@ -100,6 +100,12 @@ class Stored(NamedTuple):
     checksum: int
 
 
+class Done(NamedTuple):
+    """What the SSD writer finished since the last ``poll_done``."""
+    writes: list[Finished]      # sync writes, each with an ok flag per key
+    buried: list[int]           # tickets of ``bury`` whose tombstones are written
+
+
 class TieredStore:
     def __init__(self, dram: DramTier, ssd: Optional[SsdTier], durability: str, fsync_interval_s: float):
         self.dram = dram
@@ -110,6 +116,12 @@ class TieredStore:
         self._writeback = WriteBack(dram, ssd, self.durability, fsync_interval_s, self._lost_on_ssd)
         self.tenants = Tenants()        # what each tenant holds here (read-only outside)
         self._gone: list[str] = []      # keys that left the node: the master is to hear of them
+        # Deletion is durable: a key whose SSD record was removed is reported gone only once a
+        # tombstone burying the record is written (a restart's scan would bring it back).
+        self._burying: dict[str, None] = {}     # keys whose tombstones bury() is to queue
+        self._report_later: list[str] = []      # ... those of them that left the node
+        self._awaiting: dict[int, list[str]] = {}   # ticket -> keys reported once it is written
+        self._tickets = 0
         self.quota_evictions = 0
         if ssd is not None:
             for key, rec in ssd.items():
@@ -177,7 +189,8 @@ class TieredStore:
 
     def _lost_on_ssd(self, key: str) -> None:
         log.warning("ssd record of %s is damaged; dropped it", key)
-        self.ssd.remove(key)
+        if self.ssd.remove(key) is not None:
+            self._burying[key] = None
         if key in self.dram:
             self.dram.set_on_ssd(key, False)
         else:
@@ -299,8 +312,8 @@ class TieredStore:
         charged to its tenant."""
         if key in self.dram:
             self.dram.drop(key, now)    # reported by _collect unless on SSD too
-        if self.ssd is not None:
-            self.ssd.remove(key)
+        if self.ssd is not None and self.ssd.remove(key) is not None:
+            self._burying[key] = None
         charge = self._left(key)
         self._collect()
         self.quota_evictions += 1
@@ -312,7 +325,7 @@ class TieredStore:
         charge = None if self.contains(key) else self.tenants.remove(key)
         if charge is None:
             return 0        # still here, or gone and reported already
-        self._gone.append(key)
+        (self._report_later if key in self._burying else self._gone).append(key)
         return charge
 
     def _collect(self) -> None:
@@ -334,15 +347,28 @@ class TieredStore:
         for key in keys:
             self.tenants.remove(key)
         dram = self.dram
-        # objects on their way to disk: their records land before the tombstones queued here
+        # objects on their way to disk: their records land before the tombstones queued by
+        # bury(), which bury them
         writing = {k for k in keys if (s := dram.get(k)) is not None and s.busy}
         gone = set(self.dram.remove(keys, now))
         if self.ssd is not None:
             on_disk = {k for k in keys if self.ssd.remove(k) is not None}
-            if on_disk or writing:
-                self.ssd.submit(Job("tombstone", sorted(on_disk | writing)))
+            self._burying.update(dict.fromkeys(sorted(on_disk | writing)))
             gone |= on_disk
         return [k for k in keys if k in gone]
+
+    def bury(self) -> Optional[int]:
+        """Queue tombstones for the SSD records removed since the last call; a ticket that
+        ``poll_done`` names once they are written (None: there were none). The keys among them
+        that left the node are reported (``drain_dropped``) only then; a reply acknowledging
+        their removal waits for the ticket."""
+        if not self._burying:
+            return None
+        self._tickets += 1
+        self._writeback.bury(list(self._burying), self._tickets)
+        self._awaiting[self._tickets] = self._report_later
+        self._burying, self._report_later = {}, []
+        return self._tickets
 
     def drop_damaged(self, keys: list[str], offsets: list[int], now: float) -> list[str]:
         """Remove the objects a reader found damaged: those still at the offset it read
@@ -374,16 +400,21 @@ class TieredStore:
         """Timers: reservations that lapsed, watermarks, compaction, the periodic fsync."""
         for key, size in self.dram.maintain(now):     # reservations that lapsed
             self.tenants.unreserve(key, charge(size))
-        for key, _ in self._writeback.maintain(now):
+        for key in self._writeback.maintain(now):   # SSD records evicted
+            self._burying[key] = None
             self._left(key)
         self._collect()
 
-    def poll_done(self, now: float) -> list[Finished]:
-        """Apply the SSD writer's finished jobs; the sync writes now done with the disk, each
-        with an ok flag per key (on disk, and not removed meanwhile)."""
+    def poll_done(self, now: float) -> Done:
+        """Apply the SSD writer's finished jobs: the sync writes now done with the disk, each
+        with an ok flag per key (on disk, and not removed meanwhile), and the tickets of
+        ``bury`` now written."""
         self._writeback.poll_done(now)
         self._collect()
-        return self._writeback.take_finished()
+        buried = self._writeback.take_buried()
+        for ticket in buried:
+            self._gone += self._awaiting.pop(ticket, [])
+        return Done(self._writeback.take_finished(), buried)
 
     def next_request(self) -> None:
         """The node starts serving another request: a fresh back-pressure budget."""
@@ -417,6 +448,7 @@ class TieredStore:
         return st
 
     def close(self) -> None:
+        self.bury()
         self._writeback.close()
         if self.ssd is not None:
             self.ssd.close()

@@ -9,8 +9,10 @@
 - A write that finds DRAM full of objects not yet on disk waits for the oldest to be demoted
   (``room_by_waiting``, bounded per request of the node loop) rather than drop what was
   acknowledged or fail the put.
-- SSD above its high watermark: LRU records are forgotten; segments under half live are
-  compacted in the background.
+- SSD above its high watermark: LRU records are forgotten (the store buries them); segments
+  under half live are compacted in the background, and deleted once the tombstones in them
+  that still bury a record in an older segment are carried on.
+- Tombstones (``bury``) follow every record queued before them, so they bury it.
 
 The SSD tier's writer thread does every write; the node loop owns the indexes and applies
 finished jobs (``poll_done``). A job names the DRAM objects it was started for, not their keys:
@@ -52,6 +54,16 @@ class Finished(NamedTuple):
     ok: list                    # per key: on disk, and not removed meanwhile
 
 
+class Burial(NamedTuple):
+    """The tag of a tombstone job: the store's ticket for it."""
+    ticket: int
+
+
+class Carried(NamedTuple):
+    """The tag of the tombstones a compaction carries on: the segment deleted after them."""
+    seg: int
+
+
 class WriteBack:
     def __init__(self, dram: DramTier, ssd: Optional[SsdTier], durability: str,
                  fsync_interval_s: float, lost: Callable[[str], None]):
@@ -68,6 +80,7 @@ class WriteBack:
         self._turn = 0                 # bumped by the node per request (see room_by_waiting)
         self._wait_turn, self._wait_left = -1, 0.0
         self._finished: list[Finished] = []     # sync writes done with the disk
+        self._buried: list[int] = []            # tickets of tombstone jobs done (see bury)
 
     def persist(self, keys: list[str], waiter: object = None) -> bool:
         """Start writing newly committed DRAM objects through to SSD, as the policy says.
@@ -86,18 +99,17 @@ class WriteBack:
         self.ssd.submit(Job("append", items, fsync=sync, tag=Writing(False, objs, waiter if sync else None)))
         return sync
 
-    def maintain(self, now: float) -> list[tuple[str, int]]:
+    def maintain(self, now: float) -> list[str]:
         """Demote, evict and compact as the watermarks say; the periodic fsync of ``async``.
-        Returns (key, size) of the objects that left the node (evicted from SSD, not in DRAM)."""
+        Returns the keys whose SSD records it evicted (they need tombstones; those not in DRAM
+        left the node)."""
         if self.ssd is None:
             return []
         self._demote(now)
         gone = []
-        for key, size in self.ssd.evict():
-            if key in self.dram:
-                self.dram.set_on_ssd(key, False)
-            else:
-                gone.append((key, size))
+        for key, _ in self.ssd.evict():
+            self.dram.set_on_ssd(key, False)
+            gone.append(key)
         self._compact()
         if self.durability == "async" and now >= self._next_fsync:
             self._next_fsync = now + self.fsync_interval_s
@@ -134,12 +146,11 @@ class WriteBack:
         if self.ssd.compacting():
             return
         for seg in self.ssd.reclaimable()[:1]:
+            # the writer copies the live records on and reads the segment's tombstones (even
+            # with nothing live: a tombstone may still bury an older record)
             live = self.ssd.start_compaction(seg)
-            if not live:
-                self.ssd.delete_segment(seg)
-                continue
             items = [(k, self._reader(r), r.checksum) for k, r in live]
-            self.ssd.submit(Job("compact", items, tag=Compaction(seg, dict(live))))
+            self.ssd.submit(Job("compact", items, tag=Compaction(seg, dict(live)), seg=seg))
 
     def _reader(self, rec):
         ssd = self.ssd
@@ -157,6 +168,16 @@ class WriteBack:
         out, self._finished = self._finished, []
         return out
 
+    def bury(self, keys: list[str], ticket: int) -> None:
+        """Queue tombstones for ``keys`` (after every record queued so far: they bury it);
+        ``take_buried`` names ``ticket`` once they are written (and, with ``sync``, fsynced)."""
+        self.ssd.submit(Job("tombstone", keys, fsync=self.durability == "sync", tag=Burial(ticket)))
+
+    def take_buried(self) -> list[int]:
+        """The tickets of tombstone jobs done since the last call."""
+        out, self._buried = self._buried, []
+        return out
+
     def next_request(self) -> None:
         """The node starts serving another request: a fresh back-pressure budget."""
         self._turn += 1
@@ -167,6 +188,13 @@ class WriteBack:
             self._written(job, job.tag, now)
         elif isinstance(job.tag, Compaction):
             self._compacted(job, job.tag)
+        elif isinstance(job.tag, Burial):
+            if job.error:       # the disk failed: the deletion is not durable (logged above)
+                log.warning("tombstones of %d keys were not written: a restart may bring them "
+                            "back", len(job.items))
+            self._buried.append(job.tag.ticket)
+        elif isinstance(job.tag, Carried):
+            self._carried(job)
 
     def room_by_waiting(self, size: int, now: float,
                         reserve: Callable[[], Optional[Slot]]) -> Optional[Slot]:
@@ -236,17 +264,40 @@ class WriteBack:
             self._finished.append(Finished(tag.waiter, [o.on_ssd for o in tag.objs]))
 
     def _compacted(self, job: Job, tag: Compaction) -> None:
+        """The live records of a segment were copied on: the segment goes once the tombstones
+        in it that still bury an older record are carried on too."""
         seg, before = tag
         for key, rec in job.result:
             if rec is not None and self.ssd.get(key, touch=False) is before.get(key):
                 self.ssd.add(key, rec)      # moved; a record replaced meanwhile stays
-        if not job.error:
-            for key, rec in self.ssd.live_records(seg):
-                self._lost(key)      # unreadable during compaction
+        if job.error:
+            self.ssd.abandon_compaction(seg)
+            return
+        for key, rec in self.ssd.live_records(seg):
+            self._lost(key)      # unreadable during compaction
+        carry = self._still_burying(list(dict.fromkeys(job.tombs)), seg)
+        if carry:
+            self.ssd.submit(Job("tombstone", carry, fsync=self.durability == "sync",
+                                tag=Carried(seg)))
+        else:
             self.ssd.delete_segment(seg)
             self.ssd.count("compactions")
-        else:
+
+    def _still_burying(self, keys: list[str], seg: int) -> list[str]:
+        """The keys of tombstones in ``seg`` that must be carried on: an older segment may hold
+        a record of the key, and no record of it is live or on its way to disk (a record
+        queued before the carried tombstone would be buried by it; a later one is newer)."""
+        busy = lambda k: (s := self.dram.get(k)) is not None and s.busy  # noqa: E731
+        return [k for k, older in zip(keys, self.ssd.buried_before(keys, seg))
+                if older and k not in self.ssd and not busy(k)]
+
+    def _carried(self, job: Job) -> None:
+        seg = job.tag.seg
+        if job.error:
             self.ssd.abandon_compaction(seg)
+            return
+        self.ssd.delete_segment(seg)
+        self.ssd.count("compactions")
 
     def close(self) -> None:
         """Flush what ``async`` and ``sync`` wrote (``demote`` fsyncs with each batch)."""

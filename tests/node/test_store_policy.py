@@ -105,7 +105,7 @@ def test_a_second_writer_is_acknowledged_only_once_the_first_holds(tmp_path):
         st.write_through(["k"], waiter="w")
         done = []
         while not done:
-            done = st.poll_done(1.0)
+            done = st.poll_done(1.0).writes
         assert done == [("w", [True])]
         assert one(st, "k", 1000, 0.0) is Reserved.STORED     # on disk: a duplicate is acknowledged
     finally:
@@ -248,7 +248,7 @@ def test_a_sync_write_cleared_before_it_reaches_the_disk_is_not_acknowledged(tmp
         assert st.clear("", 0.0) == ["k"]
         done = []
         while not done:
-            done = st.poll_done(1.0)
+            done = st.poll_done(1.0).writes
         assert done == [("w", [False])]
         assert one(st, "k", 1000, 1.0) >= 0                   # gone: a new writer stores it
     finally:
