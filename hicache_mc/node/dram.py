@@ -1,9 +1,9 @@
 """DramTier: objects in one shared-memory file; slots, reservations, leases, LRU eviction.
 
-The segment is a file under ``/dev/shm`` mapped with mmap. Same-host clients map it too and
-copy straight in (reserved slots) or out (leased objects), so the node never touches the bytes
-on the shm path. The node creates it (never opens one that exists) with mode 0600: whoever can
-open it, the node's user or root, reads and writes every object in it.
+The segment is a file under ``/dev/shm`` mapped with mmap (``segment_file.py``: the node's own,
+mode 0600, locked while it runs). Same-host clients map it too and copy straight in (reserved
+slots) or out (leased objects), so the node never touches the bytes on the shm path: whoever
+can open the file, the node's user or root, reads and writes every object in it.
 
 Contract (the node loop is the only caller; nothing else reads or writes the tier's state):
 
@@ -27,24 +27,18 @@ expired (those copy without the node).
 """
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
-import mmap
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol
 
-from ..errors import HicacheError
-from ..transport.shm import MAGIC
 from .allocator import SlotAllocator
+from .segment_file import SegmentFile
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096          # segment header: magic + segment id; objects start after it
-PREFAULT_CHUNK = 256 << 20   # the prefault's step (see DramTier._prefault)
-MADV_POPULATE_WRITE = 23     # Linux 5.14+; Python's mmap module does not name it
 SLOT_ALIGN = 256             # objects start on this boundary and take their size rounded up to it
 
 
@@ -98,19 +92,8 @@ class DramTier:
         self.lease_s = lease_s
         self.high = int(capacity * high_watermark)
         self.low = int(capacity * low_watermark)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # ours alone
-        try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
-            self.mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags=mmap.MAP_SHARED)
-            if prefault:
-                self._prefault(fd)
-        except BaseException:       # no room, or SIGTERM / Ctrl-C while prefaulting: no file left
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        header = MAGIC + segment_id.encode()
-        self.mm[: len(header)] = header
+        self._file = SegmentFile(path, HEADER_BYTES + capacity, segment_id, prefault)
+        self.mm = self._file.mm
         self._alloc = SlotAllocator(HEADER_BYTES, capacity, SLOT_ALIGN)
         self._objects: "OrderedDict[str, Slot]" = OrderedDict()   # LRU order: oldest first
         self._reserved: dict[str, tuple[Slot, float]] = {}        # key -> (slot, commit deadline)
@@ -122,25 +105,6 @@ class DramTier:
         # Without an SSD tier, eviction may drop any object. With one, only copies already on
         # SSD are dropped here; the rest leave DRAM by demotion (see node/writeback.py).
         self._drop_dirty = True
-
-    def _prefault(self, fd: int) -> None:
-        """Allocate every page of the segment now, a chunk at a time: signals are handled
-        between two chunks (one MAP_POPULATE of the whole segment holds them off for about a
-        second per GiB). A shm_dir without room for the segment fails here, where MAP_POPULATE
-        would succeed and the first write past the room left would kill the node (SIGBUS)."""
-        size = len(self.mm)
-        for off in range(0, size, PREFAULT_CHUNK):
-            n = min(PREFAULT_CHUNK, size - off)
-            try:
-                self.mm.madvise(MADV_POPULATE_WRITE, off, n)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:     # EFAULT: the tmpfs is full; ENOMEM
-                    raise HicacheError(
-                        f"{os.path.dirname(self.path)} has no room for a {size >> 20} MiB DRAM "
-                        "segment: lower --dram, or enlarge it (docker run --shm-size; a "
-                        "Kubernetes emptyDir of medium Memory)") from None
-                # Linux before 5.14: no MADV_POPULATE_WRITE
-                mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, offset=off).close()
 
     # ------------------------------------------------------------ lookups
 
@@ -421,11 +385,4 @@ class DramTier:
                 "evictions": self.evictions}
 
     def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:  # a zero-copy send still holds a view; the OS reclaims it at exit
-            log.debug("segment still exported at close; the OS unmaps it at exit")
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            log.debug("segment %s was removed already", self.path)
+        self._file.close()

@@ -8,7 +8,6 @@ the SSD writer thread wakes the loop through a pipe.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ from .metrics import node_families
 from .naming import advertised_host, node_name
 from .ssd import SsdTier
 from .pending import PendingWrite
+from .segment_file import PREFIX, remove_unowned
 from .store import NODE_OBJECT_BYTES, Leased, Reserved, TieredStore
 from .wire import lease_reply, reserve_reply
 
@@ -45,24 +45,6 @@ class Held(NamedTuple):
     cleared: bool = False       # removed by a clear, not evicted (the master counts them apart)
 
 
-def remove_stale_segments(shm_dir: str) -> None:
-    """Delete segment files of node processes that died without cleaning up (SIGKILL)."""
-    for path in glob.glob(os.path.join(shm_dir, "hicache-mc-*")):
-        try:
-            pid = int(os.path.basename(path).split("-")[2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
-            continue
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                log.info("removed stale segment %s", path)
-            except OSError:
-                pass
-        except PermissionError:
-            continue
-
-
 class StorageNode(Service):
     roles = {"NodeStatsRequest": ("admin",)}
 
@@ -70,14 +52,28 @@ class StorageNode(Service):
         super().__init__(f"tcp://{config.host}:{config.port}", config.token, "node")
         self.config = config
         self.node_id, self._name_lock = node_name(config, int(self.address.rsplit(":", 1)[1]))
-        remove_stale_segments(config.shm_dir)
+        remove_unowned(config.shm_dir)
         seg_id = uuid.uuid4().hex[:8]
-        path = os.path.join(config.shm_dir, f"hicache-mc-{os.getpid()}-{seg_id}")
+        path = os.path.join(config.shm_dir, f"{PREFIX}{os.getpid()}-{seg_id}")
         # what each peer may move through the stream port, and the transfers moving it now
         self.grants = Grants()
-        dram = DramTier(path, config.dram, seg_id, config.lease_s, config.high_watermark,
-                        config.low_watermark, config.prefault, transfers=self.grants,
-                        object_bytes=NODE_OBJECT_BYTES)
+        self.segment_id, self.dram, self.store = seg_id, None, None
+        try:        # (a start that fails, or is interrupted, leaves no segment file)
+            self.dram = DramTier(path, config.dram, seg_id, config.lease_s, config.high_watermark,
+                                 config.low_watermark, config.prefault, transfers=self.grants,
+                                 object_bytes=NODE_OBJECT_BYTES)
+            self._start(config, path)
+        except BaseException:
+            if self.store is not None:
+                self.store.close()          # its SSD tier's writer and lock too
+            elif self.dram is not None:
+                self.dram.close()
+            raise
+        self.enable_metrics(config.metrics_host, config.metrics_port)
+        self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0}
+
+    def _start(self, config: NodeConfig, path: str) -> None:
+        """The rest of the node around its DRAM tier: the SSD tier, the ports, the master link."""
         ssd = None
         if config.ssd > 0:
             self._wake_r, self._wake_w = os.pipe()
@@ -86,18 +82,15 @@ class StorageNode(Service):
                           config.ssd_segment, config.ssd_high_watermark, config.ssd_low_watermark,
                           wake=self._wake)
             self.add_socket(self._wake_r, self._on_ssd_done)
-        self.store = TieredStore(dram, ssd, config.durability, config.ssd_fsync_interval_s)
-        self.segment_id = seg_id
-        self.dram = dram
+        self.store = TieredStore(self.dram, ssd, config.durability, config.ssd_fsync_interval_s)
         host = advertised_host(config)      # the host part of every address the node publishes
-        self.te = self._transfer_engine(config, dram, host)
+        self.te = self._transfer_engine(config, self.dram, host)
         try:
-            self.streams = StreamServer(dram.mm, config.host, config.data_port, HEADER_BYTES, seg_id,
-                                        self.guard.stream_key, self.grants)
+            self.streams = StreamServer(self.dram.mm, config.host, config.data_port, HEADER_BYTES,
+                                        self.segment_id, self.guard.stream_key, self.grants)
         except OSError:
             if self.te is not None:
                 self.te.close()
-            dram.close()
             raise
         port = self.address.rsplit(":", 1)[1]
         self.info = P.NodeInfo(self.node_id, f"tcp://{host}:{port}", host_identity(), path,
@@ -110,8 +103,6 @@ class StorageNode(Service):
         self._held: dict[int, Held] = {}     # bury ticket -> the reply waiting for it
         self.add_socket(self.master.events, self.master.check)   # why it cannot reach the master
         self.add_socket(self.master.sock, self._on_master)
-        self.enable_metrics(config.metrics_host, config.metrics_port)
-        self.counters = {"reads": 0, "read_hits": 0, "writes": 0, "bytes_in": 0}
 
     @staticmethod
     def _transfer_engine(config: NodeConfig, dram: DramTier, host: str):
@@ -121,12 +112,7 @@ class StorageNode(Service):
         if not config.te_protocol:
             return None
         from ..transport.mooncake import NodeEngine
-        try:
-            return NodeEngine(dram.mm, host, config.te_protocol, config.te_device,
-                              config.te_metadata)
-        except Exception:
-            dram.close()
-            raise
+        return NodeEngine(dram.mm, host, config.te_protocol, config.te_device, config.te_metadata)
 
     # -------------------------------------------------------------- ssd writer
 

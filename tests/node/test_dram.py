@@ -204,3 +204,21 @@ def test_a_slot_a_stream_transfer_moves_is_reused_only_once_it_ends(tmp_path):
             {w.offset, leased.offset}
     finally:
         t.close()
+
+
+def test_a_segment_file_is_removed_only_when_no_live_node_holds_it(tmp_path):
+    """The lock a DramTier holds on its file, not the pid in the file's name, keeps it: a
+    file named after a dead pid is kept while its lock is held, and removed once free."""
+    from hicache_mc.node.segment_file import remove_unowned
+
+    path = tmp_path / "hicache-mc-4194304-abcd1234"     # a pid that lives nowhere
+    t = DramTier(str(path), 1 << 20, "abcd1234", 1.0, 0.9, 0.5)
+    try:
+        remove_unowned(str(tmp_path))
+        assert path.exists()                # locked: a live node's, whatever its pid says
+    finally:
+        t.close()
+    assert not path.exists()
+    path.write_bytes(b"x")                  # a killed node's: nobody holds its lock
+    remove_unowned(str(tmp_path))
+    assert not path.exists()
