@@ -33,78 +33,23 @@ Policy, in one place (how objects reach the SSD tier, and leave DRAM for it, is
 """
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import xxhash
 
 from ..keys import tenant_of
-from .dram import SLOT_ALIGN, DramTier
+from .dram import DramTier
+from .results import FULL, Done, Lease, Leased, Reservation, Reserved, Stored
 from .ssd import SsdTier
-from .tenants import Tenants
-from .writeback import Finished, WriteBack
+from .tenants import NODE_OBJECT_BYTES, OBJECT_BYTES, Tenants, charge
+from .writeback import WriteBack
+
+__all__ = ["Done", "Lease", "Leased", "NODE_OBJECT_BYTES", "OBJECT_BYTES", "Reservation",
+           "Reserved", "Stored", "TieredStore", "charge"]
 
 log = logging.getLogger(__name__)
-
-# What an object costs beyond its bytes. The node: its records, key and index entries in RAM,
-# measured as a node process's RssAnon growth per object (benchmarks/bench_node_memory.py:
-# 560 B at 200k 1-byte objects with SGLang-shaped 89-character keys, 594 B at 50k; the storage
-# core alone holds 481 B per object in DRAM and 449 B per object on SSD only, by tracemalloc).
-# The DRAM tier counts it against its capacity with each slot.
-NODE_OBJECT_BYTES = 600
-# The master: its index entry per key (docs/architecture.md, 157 B at 1M keys).
-MASTER_KEY_BYTES = 160
-OBJECT_BYTES = NODE_OBJECT_BYTES + MASTER_KEY_BYTES
-
-
-def charge(size: int) -> int:
-    """What an object of ``size`` bytes counts against its tenant's quota: the DRAM slot it
-    takes (a multiple of SLOT_ALIGN, one at least: a 0-byte object too) and what its records
-    cost the node and the master."""
-    return max(SLOT_ALIGN, -(-size // SLOT_ALIGN) * SLOT_ALIGN) + OBJECT_BYTES
-
-
-class Reserved(enum.Enum):
-    SLOT = "slot"           # a slot to fill, then commit
-    STORED = "stored"       # stored already, as durably as the policy says: nothing to write
-    BUSY = "busy"           # another writer is storing it now: not acknowledged to this one
-    FULL = "full"           # no room, over the tenant's quota, or a size out of range
-
-
-class Reservation(NamedTuple):
-    outcome: Reserved
-    offset: int = -1        # the slot, for SLOT
-
-
-FULL = Reservation(Reserved.FULL)
-
-
-class Leased(enum.Enum):
-    OBJECT = "object"       # in DRAM, leased
-    MISSING = "missing"     # not on this node
-    LATER = "later"         # on SSD only, and DRAM has no room to stage it now: ask again later
-
-
-class Lease(NamedTuple):
-    outcome: Leased
-    offset: int = -1
-    size: int = -1
-    checksum: int = 0
-
-
-class Stored(NamedTuple):
-    """A committed object."""
-    size: int
-    checksum: int
-
-
-class Done(NamedTuple):
-    """What the SSD writer finished since the last ``poll_done``."""
-    writes: list[Finished]      # sync writes, each with an ok flag per key
-    buried: list[int]           # tickets of ``bury`` whose tombstones are written
-
 
 class TieredStore:
     def __init__(self, dram: DramTier, ssd: Optional[SsdTier], durability: str, fsync_interval_s: float):

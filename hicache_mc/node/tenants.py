@@ -13,6 +13,24 @@ from typing import Callable, Iterable, Optional
 
 from ..keys import tenant_of
 from ..protocol import MAX_TENANTS
+from .dram import SLOT_ALIGN
+
+# What an object costs beyond its bytes. The node: its records, key and index entries in RAM,
+# measured as a node process's RssAnon growth per object (benchmarks/bench_node_memory.py:
+# 560 B at 200k 1-byte objects with SGLang-shaped 89-character keys, 594 B at 50k; the storage
+# core alone holds 481 B per object in DRAM and 449 B per object on SSD only, by tracemalloc).
+# The DRAM tier counts it against its capacity with each slot.
+NODE_OBJECT_BYTES = 600
+# The master: its index entry per key (docs/architecture.md, 157 B at 1M keys).
+MASTER_KEY_BYTES = 160
+OBJECT_BYTES = NODE_OBJECT_BYTES + MASTER_KEY_BYTES
+
+
+def charge(size: int) -> int:
+    """What an object of ``size`` bytes counts against its tenant's quota: the DRAM slot it
+    takes (a multiple of SLOT_ALIGN, one at least: a 0-byte object too) and what its records
+    cost the node and the master."""
+    return max(SLOT_ALIGN, -(-size // SLOT_ALIGN) * SLOT_ALIGN) + OBJECT_BYTES
 
 
 class Tenant:

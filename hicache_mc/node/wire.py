@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import protocol as P
-from .store import Lease, Leased, Reservation, Reserved
+from .results import Lease, Leased, Reservation, Reserved
 
 _RESERVE_CODES = {Reserved.STORED: P.RESERVE_STORED, Reserved.BUSY: P.RESERVE_BUSY,
                   Reserved.FULL: P.RESERVE_FULL}
