@@ -18,16 +18,27 @@ from procs import free_port, request
 from test_ssd_tier import blob, ssd_node, wait_for
 
 MiB = 1 << 20
+# one SSD segment holds every record: a removed record's segment stays (a segment whose
+# records are all dead is deleted whole), so only its tombstone keeps it from coming back
+SEGMENT = "64MiB"
 
 
 def restart(cluster, node, ssd_dir, port):
     """SIGKILL the node and start it again on the same folder and port."""
     node.kill()
+    since = len(node.log())                 # the new process appends to the same log
     cluster.nodes.remove(node)
     cluster.wait_nodes(0)                   # the master forgot the old node and its keys
-    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port)
+    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port, segment=SEGMENT)
+    node.log_from = since
     cluster.wait_nodes(1)
     return node
+
+
+def recovered(node) -> int:
+    """How many objects a node ``restart`` started read back from its SSD tier."""
+    lines = [ln for ln in node.log()[node.log_from:].splitlines() if "recovered" in ln]
+    return int(lines[-1].split("recovered ")[1].split()[0]) if lines else 0
 
 
 def held(c: StoreClient, keys: list[str]) -> set[str]:
@@ -41,7 +52,7 @@ def test_a_quota_eviction_stays_evicted(cluster, tmp_path, kill_at):
     node comes back with the tenant within its quota and the evicted keys gone."""
     cluster.start_master()
     port, ssd_dir = free_port(), tmp_path / "ssd"
-    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port)
+    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port, segment=SEGMENT)
     cluster.wait_nodes(1)
     keys = [f"ns@cut/{i:02d}/k" for i in range(12)]
     new = "ns@cut/new/k"
@@ -64,6 +75,9 @@ def test_a_quota_eviction_stays_evicted(cluster, tmp_path, kill_at):
         wait_for(lambda: c.exists(new), what="re-registration")
         kept = held(c, keys)
         assert (len(kept) + 1) * charge(MiB) <= 6 * MiB, sorted(kept)
+        # what the disk gave back: no record the quota evicted (not one the node, learning the
+        # quota again, evicts a second time)
+        assert recovered(node) == len(kept) + 1
         assert kept == set(keys[len(keys) - len(kept):])     # the newest stayed
         for k in kept | {new}:
             assert c.get(k) == blob(k)
@@ -76,7 +90,7 @@ def test_a_clear_and_a_replacement_stay_as_acknowledged(cluster, tmp_path):
     key cleared and put again has its new value."""
     cluster.start_master()
     port, ssd_dir = free_port(), tmp_path / "ssd"
-    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port)
+    node = ssd_node(cluster, ssd_dir, dram="16MiB", durability="sync", port=port, segment=SEGMENT)
     cluster.wait_nodes(1)
     keys = [f"clr/{i}" for i in range(6)]
     with StoreClient(cluster.master) as c:
@@ -90,12 +104,13 @@ def test_a_clear_and_a_replacement_stay_as_acknowledged(cluster, tmp_path):
     with StoreClient(cluster.master) as c:
         wait_for(lambda: len(cluster.stats()["nodes"]) == 1 and cluster.stats()["keys"] == 0,
                  what="registration")
-        assert not held(c, keys)
+        assert not held(c, keys) and recovered(node) == 0
         assert c.put(keys[0], blob("v2"))                   # the same key, new bytes
     node = restart(cluster, node, ssd_dir, port)            # step: the replacement's put
     with StoreClient(cluster.master) as c:
         wait_for(lambda: c.exists(keys[0]), what="re-registration")
         assert held(c, keys) == {keys[0]} and c.get(keys[0]) == blob("v2")
+        assert recovered(node) == 1
 
 
 def test_compaction_carries_a_tombstone_while_an_older_segment_holds_its_record(tmp_path):
