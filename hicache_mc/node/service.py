@@ -8,6 +8,7 @@ the SSD writer thread wakes the loop through a pipe.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -118,16 +119,14 @@ class StorageNode(Service):
 
     def _wake(self) -> None:
         """Called on the SSD writer thread when a job is done."""
-        try:
+        # a full pipe already holds wake-ups the loop has not read (the pipe is closed only
+        # after the writer stopped)
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
 
     def _on_ssd_done(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):     # an earlier turn read its wake-ups
             os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
         now = time.monotonic()
         done = self.store.poll_done(now)
         for pw, ok in done.writes:

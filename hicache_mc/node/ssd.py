@@ -13,6 +13,7 @@ is deleted only by the loop, after every live record has left it.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -259,10 +260,8 @@ class SsdTier:
         fd = self._fds.pop(seg, None)
         if fd is not None:
             os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):   # a file gone already is as good
             os.unlink(self.path(seg))
-        except FileNotFoundError:
-            pass
         self._seg_sizes.pop(seg, None)
         self._seg_live.pop(seg, None)
         self._compacting.discard(seg)

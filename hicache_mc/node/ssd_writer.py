@@ -78,8 +78,8 @@ class SsdWriter(threading.Thread):
             if self.dirty:   # a closed segment is a durable one: later fsyncs only see the new fd
                 try:
                     os.fsync(self.fd)
-                except OSError:
-                    pass
+                except OSError as exc:
+                    log.warning("ssd writer: fsync of segment %d failed: %s", self.seg, exc)
                 self.dirty = False
             os.close(self.fd)
             self.fd = None
