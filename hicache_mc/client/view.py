@@ -1,7 +1,7 @@
 """A client's residency view: which keys of its namespaces the store holds, kept locally.
 
-``batch_exists`` / ``batch_contains`` answer from the view when it is in sync, else the client
-asks the master as it would without one. The view follows the master's publisher
+``batch_exists`` / ``batch_contains`` answer the keys the view holds when it is in sync, and
+ask the master for the others (client/client.py), as for every key when it is not. The view follows the master's publisher
 (master/publisher.py) per namespace, after the ZeroMQ guide's Clone pattern:
 
 - snapshot: ``SnapshotRequest`` on the master's ROUTER gives the namespace's digests, its last
@@ -14,11 +14,12 @@ asks the master as it would without one. The view follows the master's publisher
 
 Consistency. The view says "stored" for a key the master had on a live node when it sent the
 update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
-wrong byte; a stale "not stored" is a miss. Read-your-writes: the keys this client stored in the
-last OWN_TTL_S (written, or found stored by its Place) count as stored too (``OwnWrites``), so a
-writer's probes do not wait for the view to hear of its own commits, as an SGLang backend that
-backs pages up while it prefetches others would on every probe (a key evicted meanwhile: one
-miss). A clear by this client takes its namespaces out of sync until a new snapshot.
+wrong byte. "Not stored" may be stale by an update on its way (another client's commit), so
+the client asks the master for those keys (``contains_cached`` does not). Read-your-writes:
+the keys this client stored in the last OWN_TTL_S (written, or found stored by its Place)
+count as stored too (``OwnWrites``), so a writer's probes of its own commits need no round
+trip, as an SGLang backend that backs pages up while it prefetches others would otherwise pay
+on every probe (a key evicted meanwhile: one miss). A clear by this client takes its namespaces out of sync until a new snapshot.
 
 All subscriber work runs on one background thread; callers only read (no lock: see
 client/digests.py), so a lookup never waits for it.

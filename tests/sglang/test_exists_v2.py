@@ -169,8 +169,8 @@ def test_logical_anchor_lets_the_side_pools_decide(shared_store):
 
 def test_every_pool_is_answered_by_the_residency_view(rig):
     """The KV pages and each side pool live in namespaces of their own; once the view follows
-    them all (registration starts it), batch_exists_v2 asks the master nothing, and answers
-    as the master would."""
+    them all (registration starts it), batch_exists_v2 is answered by it (the master only for
+    the keys it lacks), as the master would answer it."""
     import time
     rig.store(PoolName.KV, [1, 2, 3, 4, 5, 6])
     rig.store(PoolName.MAMBA, [2, 4, 6])
