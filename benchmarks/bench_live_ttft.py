@@ -15,8 +15,8 @@ bf16), with a small MLP so a prefill stays within seconds on a CPU. For each pro
 
 The time is the client's, from the request to the first streamed token; the table gives each
 case's median and fastest run (other work on a shared machine only ever adds time). The
-servers wait for every L3 hit (``wait_complete``) and ask the master, not a residency view
-(the harness's defaults). These are CPU figures, not GPU figures: SGLang's ``torch_native``
+servers wait for every L3 hit (``wait_complete``) and probe through their residency views,
+which ask the master for the pages they lack (the harness's defaults). These are CPU figures, not GPU figures: SGLang's ``torch_native``
 attention pads an extend's queries to the whole sequence, so here a cached prefix saves its
 projections and MLP but not its attention; a GPU skips the prefix whole, and there a miss
 against an L3 hit is its compute against the copy of the pages. JSON in

@@ -40,15 +40,15 @@ _page_hash_built = False
 @dataclass(frozen=True)
 class ServerOptions:
     """How a server is started. The defaults give HiCache with the L3 on the zero-copy path,
-    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, lookups ask
-    the master (``view: off``: a residency view follows the master by milliseconds, and a test
-    that reads right after another server wrote would race it), and the backend gives up on a
-    dead store after ``timeout_s``."""
+    deterministic enough for byte-exact tests: prefetches wait for every L3 hit, lookups are
+    answered by the backend's residency view (its default: the pages it lacks are asked of the
+    master, so a page another server wrote just before is found), and the backend gives up on
+    a dead store after ``timeout_s``."""
     page_size: int = 16
     mem_layout: str = "page_first_direct"     # or layer_first: what cpu_hicache can move
     prefetch_policy: str = "wait_complete"
     backend_config: Mapping[str, object] = field(
-        default_factory=lambda: {"timeout_s": 2.0, "view": "off"})
+        default_factory=lambda: {"timeout_s": 2.0})
     max_total_tokens: int = 4096              # device (L1) tokens; the host pool holds 2x
     kv_events: bool = False                   # --kv-events-config on two free ports
     metrics: bool = False                     # --enable-metrics: GET /metrics
