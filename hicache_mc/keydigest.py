@@ -199,18 +199,21 @@ def key_prefixes(keys: list[str], ns: Optional[str] = None) -> np.ndarray:
 
 
 def page_prefixes(ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Optional[np.ndarray]:
-    """The first 8 bytes of the digests of ``<ns>/<hash>/<part>`` for every hash and part,
-    page-major, as uint64 (what a view looks up), computed from the hex hashes in one pass; None
-    when a hash is not 64 hex digits (then build the keys and use ``digests``)."""
+    """The first 8 bytes of the digests of ``<ns>/<hash>/<part>`` for every part and hash,
+    part-major (every hash's first part, then every hash's second, ...), as uint64 (what a
+    view looks up), computed from the hex hashes in one pass; None when a hash is not 64 hex
+    digits (then build the keys and use ``digests``)."""
     n = len(page_hashes)
-    raw = "".join(page_hashes)
-    if len(raw) != HASH_HEX * n or max(map(len, page_hashes), default=HASH_HEX) != HASH_HEX:
-        return None
+    # joined by spaces, which fromhex skips: n * 32 bytes from n * 65 - 1 characters with a
+    # space after every 64th leave no room for a hash of another length or with a space in it
+    # (a length check of each hash costs 2 us of the 12 a 128-page probe takes)
+    raw = " ".join(page_hashes)
     try:
         hashes = bytes.fromhex(raw)
     except ValueError:
         return None
-    if len(hashes) != n * HASH_HEX // 2:    # (fromhex skips whitespace)
+    if len(hashes) != n * HASH_HEX // 2 or len(raw) != max(0, n * (HASH_HEX + 1) - 1) or \
+            not (n < 2 or raw[HASH_HEX::HASH_HEX + 1].isspace()):
         return None
     terms = _terms8(ns, tuple(parts))
     if terms is None:
@@ -219,7 +222,9 @@ def page_prefixes(ns: str, page_hashes: list[str], parts: tuple[str, ...]) -> Op
     if len(terms) == 1:
         first ^= terms[0]
         return first
-    return (first[:, None] ^ terms).ravel()
+    # part-major: the XOR's inner loop runs over the hashes (page-major, over the parts, it
+    # took 1.9 us against 1.0 for 128 pages of two parts)
+    return (terms[:, None] ^ first).ravel()
 
 
 def _words(hashes: bytes, n: int) -> np.ndarray:

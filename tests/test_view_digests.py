@@ -78,3 +78,25 @@ def test_own_writes_are_answered_for_a_while_then_forgotten(monkeypatch):
     assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
     own.clear()
     assert own.add_to(np.zeros(3, bool), q).tolist() == [False, False, False]
+
+
+def test_a_chain_ends_at_its_first_page_missing_any_part():
+    """exists_pages counts the pages, from the first, whose every part the view holds, from
+    the page hashes alone, whichever part of a page is missing."""
+    import hashlib
+    import time
+
+    from hicache_mc import residency as R
+    from hicache_mc.client.view import ResidencyView, Space
+    from hicache_mc.keys import batch_page_keys
+    ns = "0123456789abcdef"
+    hashes = [hashlib.sha256(b"chain %d" % i).hexdigest() for i in range(6)]
+    keys = batch_page_keys(ns, hashes, ("k", "v"))      # page-major: page i's k, then its v
+    view = ResidencyView(None, "tcp://127.0.0.1:1", "", 1.0)
+    for lacking, pages in ((None, 6), (2 * 4 + 1, 4), (2 * 3, 3), (1, 0), (2 * 5, 5)):
+        stored = [k for i, k in enumerate(keys) if i != lacking]
+        view.spaces[ns] = Space(ns, keys=DigestSet(R.digests(stored)), synced=True, need=False,
+                                heard=time.monotonic() + 60)
+        assert view.exists_pages(ns, hashes, ("k", "v")) == pages, lacking
+        assert view.exists_pages(ns, hashes, ("v", "k")) == pages, lacking
+        assert view.exists(keys) == (len(keys) if lacking is None else lacking), lacking

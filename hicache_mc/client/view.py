@@ -185,7 +185,10 @@ class ResidencyView:
         self.counters["view_answers"] += 1
         hit = self.own.add_to(sp.keys.mask(q), q)
         first_miss = int(hit.argmin())      # (0 when every key is stored: then hit[0] holds)
-        return len(page_hashes) if hit[first_miss] else first_miss // len(parts)
+        if hit[first_miss]:
+            return len(page_hashes)
+        # the keys are part-major: a page is stored when each part's row has it
+        return int(hit.reshape(len(parts), len(page_hashes)).all(axis=0).argmin())
 
     def close(self) -> None:
         with self._lock:
