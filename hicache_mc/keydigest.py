@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from binascii import unhexlify
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -43,6 +44,7 @@ MIX = np.array([[0xe220a8397b1dcdaf, 0x3ee5789041c98ac3], [0x6e789e6aa1b965f5, 0
                dtype=np.uint64)
 _MIX = [[int(x) for x in col] for col in MIX.T]
 _MIX0 = np.ascontiguousarray(MIX[:, 0])    # the first half alone: a view's 8-byte prefix
+_MIX0C = np.ascontiguousarray(MIX[:, :1])   # ... as a column (rows of one half)
 _M64 = (1 << 64) - 1
 SHORTEST = HASH_HEX + 2     # a page key's least length: "/<hash>/" (an empty namespace and part)
 
@@ -100,7 +102,7 @@ def _text(keys: list[str]) -> list[bytes]:
     return list(map(xxh3_128_digest, map(str.encode, keys)))
 
 
-def _classify(keys: list[str], ns: Optional[str]) -> Batch:
+def _classify(keys: list[str], ns: Optional[str], halves: int = 2) -> Batch:
     """What a batch of keys is, at C speed where its shape tells: keys too short to be page
     keys (most keys that are not SGLang's), or keys of one namespace and one length whose
     separator column says which they are."""
@@ -109,7 +111,7 @@ def _classify(keys: list[str], ns: Optional[str]) -> Batch:
         return Batch(Kind.TEXT)
     if ns is None or len(keys) <= 4:
         return Batch(Kind.MIXED)
-    return _page_batch(keys, ns, longest)
+    return _page_batch(keys, ns, longest, halves)
 
 
 def digest_list(keys: list[str], ns: Optional[str] = None) -> list[bytes]:
@@ -155,9 +157,10 @@ def _one_namespace(keys: list[str]) -> Optional[str]:
     return None
 
 
-def _page_batch(keys: list[str], ns: str, longest: int) -> Batch:
+def _page_batch(keys: list[str], ns: str, longest: int, halves: int = 2) -> Batch:
     """Keys of namespace ``ns``, the longest ``longest`` long: their digests when all are page
-    keys of one length (rows of two little-endian uint64), TEXT when none can be, else MIXED."""
+    keys of one length (rows of ``halves`` little-endian uint64: 1 for a view's prefixes), TEXT
+    when none can be, else MIXED."""
     n, width = len(keys), len(keys[0])
     raw = "".join(keys)
     if len(raw) != n * width or longest != width:   # (lengths that add up, none longer: equal)
@@ -173,17 +176,19 @@ def _page_batch(keys: list[str], ns: str, longest: int) -> Batch:
     sep = rows[:, at + HASH_HEX] == _SEP
     if not sep.all():
         return Batch(Kind.TEXT if not sep.any() else Kind.MIXED)
-    try:
-        hashes = bytes.fromhex(rows[:, at:at + HASH_HEX].tobytes().decode("ascii"))
+    try:        # (unhexlify, unlike fromhex, skips no whitespace: n * 32 bytes or an error)
+        hashes = unhexlify(rows[:, at:at + HASH_HEX].tobytes())
     except ValueError:
         return Batch(Kind.MIXED)
-    if len(hashes) != n * HASH_HEX // 2:    # (fromhex skips whitespace)
-        return Batch(Kind.MIXED)
-    term = np.zeros((n, 16), np.uint8)
-    term[:, :part] = rows[:, at + HASH_HEX + 1:]
-    term[:, 15] = part
-    term ^= np.frombuffer(_salt(ns), np.uint8)
-    out = _words(hashes, n) @ MIX
+    # the term's bytes that the digest's ``halves`` take: the part's first 8 * halves, and its
+    # length in the 16th
+    term = np.zeros((n, 8 * halves), np.uint8)
+    k = min(part, 8 * halves)
+    term[:, :k] = rows[:, at + HASH_HEX + 1:at + HASH_HEX + 1 + k]
+    if halves == 2:
+        term[:, 15] = part
+    term ^= np.frombuffer(_salt(ns), np.uint8)[:8 * halves]
+    out = _words(hashes, n) @ (MIX if halves == 2 else _MIX0C)
     out ^= term.view("<u8")
     return Batch(Kind.PAGES, out)
 
@@ -191,10 +196,11 @@ def _page_batch(keys: list[str], ns: str, longest: int) -> Batch:
 def key_prefixes(keys: list[str], ns: Optional[str] = None) -> np.ndarray:
     """The first 8 bytes of each key's digest, as uint64 (what a view looks up); ``ns`` as for
     ``digest_list``."""
-    batch = _classify(keys, ns) if keys else Batch(Kind.TEXT)
+    batch = _classify(keys, ns, halves=1) if keys else Batch(Kind.TEXT)
     if batch.kind is Kind.PAGES:
         return batch.rows[:, 0]
-    digested = _text(keys) if batch.kind is Kind.TEXT else map(digest, keys)
+    digested = map(xxh3_128_digest, map(str.encode, keys)) if batch.kind is Kind.TEXT else \
+        map(digest, keys)
     return np.frombuffer(b"".join(digested), "<u8")[::2]
 
 

@@ -54,8 +54,10 @@ def test_page_prefixes_refuse_what_is_no_page_hash():
 
 
 def test_a_views_prefixes_of_keys_are_those_of_their_digests():
+    for parts in (("k", "v"), ("",), ("a" * 8,), ("b" * 9, "c" * 9), ("d" * 15,)):
+        keys = batch_page_keys(NS, HASHES, parts)
+        assert np.array_equal(K.key_prefixes(keys, NS), prefixes(K.digests(keys))), parts
     keys = batch_page_keys(NS, HASHES, ("k", "v")) + [f"{NS}/odd"]
-    assert np.array_equal(K.key_prefixes(keys[:-1], NS), prefixes(K.digests(keys[:-1])))
     assert np.array_equal(K.key_prefixes(keys, NS), prefixes(K.digests(keys)))     # key by key
     # a hash is a hash, whatever its case: upper and lower case share a digest
     assert K.digest(f"{NS}/{HASHES[0].upper()}/k") == K.digest(f"{NS}/{HASHES[0]}/k")

@@ -153,7 +153,8 @@ class ResidencyView:
         its own namespace's view, and all must be in sync."""
         found: list[bool] = []
         for run in _runs(keys):
-            sp = self._space(run) if run else None
+            i = run[0].find("/") if run else -1     # (a run's keys share its first's namespace)
+            sp = self._synced(run[0][:i]) if i >= 0 else None
             if sp is None:
                 self.counters["view_fallbacks"] += 1
                 return None
