@@ -1,8 +1,9 @@
 """A client's residency view: which keys of its namespaces the store holds, kept locally.
 
 ``batch_exists`` / ``batch_contains`` answer the keys the view holds when it is in sync, and
-ask the master for the others (client/client.py), as for every key when it is not. The view follows the master's publisher
-(master/publisher.py) per namespace, after the ZeroMQ guide's Clone pattern:
+ask the master for the others (client/client.py), as for every key when it is not. The view
+follows the master's publisher (master/publisher.py) per namespace, after the ZeroMQ guide's
+Clone pattern:
 
 - snapshot: ``SnapshotRequest`` on the master's ROUTER gives the namespace's digests, its last
   update number, the master's epoch, each node's applied reports and the publisher's port;
@@ -19,7 +20,8 @@ the client asks the master for those keys (``contains_cached`` does not). Read-y
 the keys this client stored in the last OWN_TTL_S (written, or found stored by its Place)
 count as stored too (``OwnWrites``), so a writer's probes of its own commits need no round
 trip, as an SGLang backend that backs pages up while it prefetches others would otherwise pay
-on every probe (a key evicted meanwhile: one miss). A clear by this client takes its namespaces out of sync until a new snapshot.
+on every probe (a key evicted meanwhile: one miss). A clear by this client takes its
+namespaces out of sync until a new snapshot.
 
 All subscriber work runs on one background thread; callers only read (no lock: see
 client/digests.py), so a lookup never waits for it.
