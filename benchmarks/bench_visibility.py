@@ -6,9 +6,12 @@ number (always visible to it). This measures the rest: client A puts one object,
 the master for it right after A's put returned. Reported: how many of B's lookups missed, and
 how long B then waited until the key showed, idle and with ``--hogs`` busy processes competing
 for the CPUs. A's own lookups are counted too: they must never miss. With ``view`` on, both
-clients answer lookups from their residency views (client/view.py): B's wait is then how long
-the master's update took to reach B's view (its freshness), and A's lookups test
-read-your-writes through the view. B re-checks every 0.1 ms (sleeping between checks).
+clients probe through their residency views (client/view.py), which ask the master for the
+keys they lack: B's lookups must then never miss either. ``view_lagged``: how often B's view
+lacked the key right after the put returned (B's ``contains_cached``); ``view_lag_*``: how much
+longer it took to show there, counted from after B's lookup (its round trip to the master not
+included). A's lookups test read-your-writes through the view.
+B re-checks every 0.1 ms (sleeping between checks).
 
     .venv/bin/python benchmarks/bench_visibility.py [--puts 500] [--hogs 2]
 """
@@ -52,10 +55,11 @@ def run(master: str, puts: int, hogs: int, view: str = "off") -> dict:
             if view == "on":
                 _synced(a, "vis")
                 _synced(b, "vis")
-            own_misses, misses, waits = 0, 0, []
+            own_misses, misses, waits, lagged, lags = 0, 0, [], 0, []
             for i in range(puts):
                 key = f"vis/{hogs}/{i}"
                 assert a.put(key, b"y" * 4096)
+                in_view = view != "on" or b.contains_cached([key]) == [True]
                 if not b.exists(key):
                     misses += 1
                     t0 = time.perf_counter()
@@ -66,6 +70,14 @@ def run(master: str, puts: int, hogs: int, view: str = "off") -> dict:
                         if time.perf_counter() - t0 > 2:
                             raise RuntimeError(f"{key} not visible to another client after 2 s")
                     waits.append(time.perf_counter() - t0)
+                if not in_view:         # b's exists asked the master; its view, how long?
+                    lagged += 1
+                    t0 = time.perf_counter()
+                    while b.contains_cached([key]) != [True]:
+                        time.sleep(0.0001)
+                        if time.perf_counter() - t0 > 2:
+                            raise RuntimeError(f"{key} not in another client's view after 2 s")
+                    lags.append(time.perf_counter() - t0)
                 if not a.exists(key):
                     own_misses += 1
             a.clear("vis/")
@@ -78,6 +90,9 @@ def run(master: str, puts: int, hogs: int, view: str = "off") -> dict:
             "wait_p50_ms": pct(waits, 50) * 1e3 if waits else 0.0,
             "wait_p99_ms": pct(waits, 99) * 1e3 if waits else 0.0,
             "wait_max_ms": max(waits) * 1e3 if waits else 0.0,
+            "view_lagged": lagged, "view_lag_p50_ms": pct(lags, 50) * 1e3 if lags else 0.0,
+            "view_lag_p99_ms": pct(lags, 99) * 1e3 if lags else 0.0,
+            "view_lag_max_ms": max(lags) * 1e3 if lags else 0.0,
             "writer_missed": own_misses}
 
 
@@ -92,7 +107,9 @@ def main() -> None:
                 for hogs in (0, args.hogs)]
     print(table(rows, [("view", ""), ("hogs", "d"), ("puts", "d"), ("other_client_missed", "d"),
                        ("other_client_missed_pct", ".1f"), ("wait_p50_ms", ".3f"),
-                       ("wait_p99_ms", ".3f"), ("wait_max_ms", ".3f"), ("writer_missed", "d")]))
+                       ("wait_p99_ms", ".3f"), ("wait_max_ms", ".3f"), ("view_lagged", "d"),
+                       ("view_lag_p50_ms", ".3f"), ("view_lag_p99_ms", ".3f"),
+                       ("view_lag_max_ms", ".3f"), ("writer_missed", "d")]))
     path = write_json("bench_visibility.json", {"args": vars(args), "rows": rows,
                                                 "seconds": round(time.time() - t0, 1)})
     print(f"wrote {path}")
