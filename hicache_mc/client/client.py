@@ -210,6 +210,8 @@ class StoreClient(WritePath):
             pages = self.view.exists_pages(namespace, page_hashes, parts)
             if pages == len(page_hashes):
                 return pages
+            if pages is not None:
+                self.view.counters["view_misses_asked"] += 1
         start = pages or 0
         keys = check_keys(batch_page_keys(namespace, list(page_hashes[start:]), parts))
         return start + self._guard(lambda: self._exists(keys, pages is None), 0) // max(1, len(parts))
@@ -225,6 +227,8 @@ class StoreClient(WritePath):
         start = self.view.exists(keys) if self.view is not None and use_view else None
         if start == len(keys):
             return start
+        if start is not None:
+            self.view.counters["view_misses_asked"] += 1
         start = start or 0
         reply = self._master(P.ExistsRequest(keys[start:], self.fences.after(), self.host,
                                              self.node_circuits.open_ids()), self._deadline())
@@ -242,6 +246,8 @@ class StoreClient(WritePath):
             found = self.view.contains(keys) if self.view is not None else None
             ask = range(len(keys)) if found is None else [i for i, f in enumerate(found) if not f]
             if ask:
+                if found is not None:
+                    self.view.counters["view_misses_asked"] += 1
                 found = found or [False] * len(keys)
                 present = self._master(P.ContainsRequest([keys[i] for i in ask], self.fences.after()),
                                        self._deadline()).present

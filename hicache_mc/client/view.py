@@ -87,8 +87,9 @@ class ResidencyView:
         self.ctx, self.master, self.token, self.timeout_s = ctx, master, token, timeout_s
         self.spaces: dict[str, Space] = {}      # written by the view thread only
         self.stale_s = STALE_BEATS * 0.5        # from the master's beat, once known
-        self.counters = {"view_answers": 0, "view_fallbacks": 0, "view_snapshots": 0,
-                         "view_gaps": 0, "view_stale": 0, "view_epochs": 0}
+        # view_misses_asked: answers the view gave in part, the keys it lacked asked of the master
+        self.counters = {"view_answers": 0, "view_fallbacks": 0, "view_misses_asked": 0,
+                         "view_snapshots": 0, "view_gaps": 0, "view_stale": 0, "view_epochs": 0}
         self._wanted: set[str] = set()
         self.own = OwnWrites()
         self._refresh: set[str] = set()     # namespaces this client cleared: snapshot anew

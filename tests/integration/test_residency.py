@@ -165,12 +165,14 @@ def test_another_clients_commit_on_its_way_to_the_view_is_no_miss(cluster):
             for h in pages:
                 assert w.put(f"{NS}/{h}/k", b"k") and w.put(f"{NS}/{h}/v", b"v")
             answers, fallbacks = view.counters["view_answers"], view.counters["view_fallbacks"]
+            asked = view.counters["view_misses_asked"]
             assert r.batch_exists([key("lag0"), key("lag1"), key("none")]) == 2
             assert r.batch_contains([key("lag1"), key("none"), key("lag0")]) == [True, False, True]
             assert r.batch_exists_pages(NS, pages, ("k", "v")) == len(pages)
             # the view answered each call (it was in sync), the master only what it missed
             assert view.counters["view_answers"] == answers + 3
             assert view.counters["view_fallbacks"] == fallbacks
+            assert view.counters["view_misses_asked"] == asked + 3
             assert r.contains_cached([key("lag1")]) == [False]     # the view alone: behind
         finally:
             view._apply = real
