@@ -1,7 +1,7 @@
 """A client's residency view: which keys of its namespaces the store holds, kept locally.
 
 ``batch_exists`` / ``batch_contains`` answer the keys the view holds when it is in sync, and
-ask the master for the others (client/client.py), as for every key when it is not. The view
+ask the master for the others (client/lookups.py), as for every key when it is not. The view
 follows the master's publisher (master/publisher.py) per namespace, after the ZeroMQ guide's
 Clone pattern:
 
