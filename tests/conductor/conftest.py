@@ -1,5 +1,5 @@
 """Fixtures of the conductor's tests: a tokenizer trained here, stand-in worker fleets and the
-conductor as real processes (harness.py)."""
+conductor as real processes (conductor_procs.py)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import StandinFleet  # noqa: E402
+from conductor_procs import StandinFleet  # noqa: E402
 from procs import Store  # noqa: E402
 from tokenizer import train  # noqa: E402
 

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import requests
-from harness import ConductorProc, Cuttable, http_bodies, wait_for
+from conductor_procs import ConductorProc, Cuttable, http_bodies, wait_for
 
 import live
 from procs import Store, free_port

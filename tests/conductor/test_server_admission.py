@@ -10,7 +10,7 @@ import time
 
 import pytest
 import requests
-from harness import ConductorProc, wait_for
+from conductor_procs import ConductorProc, wait_for
 
 from procs import free_port
 SLO_S = 1.0

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import requests
-from harness import ConductorProc, Cuttable, wait_for
+from conductor_procs import ConductorProc, Cuttable, wait_for
 
 from procs import free_port
 from tokenizer import text, words

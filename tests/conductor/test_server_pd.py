@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from harness import ConductorProc, wait_for
+from conductor_procs import ConductorProc, wait_for
 
 from procs import free_port
 from tokenizer import text, words

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from harness import ADMIN_KEY, ConductorProc, wait_for
+from conductor_procs import ADMIN_KEY, ConductorProc, wait_for
 
 from procs import free_port
 

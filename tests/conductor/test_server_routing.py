@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import requests
-from harness import ConductorProc, wait_for
+from conductor_procs import ConductorProc, wait_for
 
 from hicache_mc.conductor.chain import chain
 from hicache_mc.conductor.prompts import PromptTokenizer
