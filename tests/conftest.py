@@ -28,6 +28,16 @@ def store(tmp_path):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory):
+    """One running store for the tests of a module, which keep apart by key prefix or
+    namespace: starting one costs a second or two. A test that stops, kills or restarts the
+    store, or needs it empty, takes ``store`` instead."""
+    s = Store(tmp_path_factory.mktemp("store")).start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny Qwen2 with random weights and a trained tokenizer, for live SGLang servers
