@@ -23,14 +23,14 @@ def _send(address: str, msg: P.Message, req_id: int):
     return sock
 
 
-def test_a_lookup_waits_for_the_commit_its_fence_names(store):
+def test_a_lookup_waits_for_the_commit_its_fence_names(shared_store):
     """A Locate fenced one commit ahead of the master is answered only after that commit: it
     reports a key that was written after the Locate was sent."""
-    with StoreClient(store.master) as c:
+    with StoreClient(shared_store.master) as c:
         assert c.put("fence/a", b"first")
         node_id, (segment, seq) = next(iter(c.fences.after().items()))
         before = c.stats()["cluster"]["fence_waits"]
-        sock = _send(store.master, P.LocateRequest(["fence/b"], {node_id: [segment, seq + 1]}), 7)
+        sock = _send(shared_store.master, P.LocateRequest(["fence/b"], {node_id: [segment, seq + 1]}), 7)
         try:
             assert not sock.poll(300)                   # held: the master has not seen seq + 1
             assert c.put("fence/b", b"second")          # the node's next commit is seq + 1
@@ -43,36 +43,36 @@ def test_a_lookup_waits_for_the_commit_its_fence_names(store):
         assert c.stats()["cluster"]["fence_waits"] == before + 1
 
 
-def test_a_fence_the_master_cannot_meet_is_dropped_after_a_while(store):
-    with StoreClient(store.master) as c:
+def test_a_fence_the_master_cannot_meet_is_dropped_after_a_while(shared_store):
+    with StoreClient(shared_store.master) as c:
         assert c.put("fence/c", b"x")
         node_id, (segment, seq) = next(iter(c.fences.after().items()))
-    reply = request(store.master, P.LocateRequest(["fence/c"], {node_id: [segment, seq + 10**6]}), 5.0)
+    reply = request(shared_store.master, P.LocateRequest(["fence/c"], {node_id: [segment, seq + 10**6]}), 5.0)
     assert isinstance(reply, P.LocateReply) and reply.located() == [(node_id, 1)]
 
 
-def test_fences_on_another_segment_or_unknown_nodes_do_not_wait(store):
-    with StoreClient(store.master) as c:
+def test_fences_on_another_segment_or_unknown_nodes_do_not_wait(shared_store):
+    with StoreClient(shared_store.master) as c:
         assert c.put("fence/d", b"x")
         node_id = next(iter(c.fences.after()))
         before = c.stats()["cluster"]["fence_waits"]
         for after in ({node_id: ["0ld5e9", 10**9]}, {"no-such-node": ["abc", 10**9]}):
-            reply = request(store.master, P.ExistsRequest(["fence/d"], after), 2.0)
+            reply = request(shared_store.master, P.ExistsRequest(["fence/d"], after), 2.0)
             assert isinstance(reply, P.ExistsReply) and reply.count == 1
         assert c.stats()["cluster"]["fence_waits"] == before
 
 
-def test_malformed_fences_get_errors_and_the_master_keeps_serving(store):
-    with StoreClient(store.master) as c:
+def test_malformed_fences_get_errors_and_the_master_keeps_serving(shared_store):
+    with StoreClient(shared_store.master) as c:
         assert c.put("fence/e", b"x")
         node_id, (segment, seq) = next(iter(c.fences.after().items()))
     ahead = [segment, seq + 10**6]      # a fence that would wait, then a bad one
     for after in ({"n": "notalist"}, {"n": [1, 2]}, {"n": ["seg"]}, {"n": ["seg", True]},
                   {node_id: ahead, "n": "notalist"}):
-        reply = request(store.master, P.LocateRequest(["k"], after), 2.0)
+        reply = request(shared_store.master, P.LocateRequest(["k"], after), 2.0)
         assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request", (after, reply)
         assert "after" in reply.message
-    with StoreClient(store.master) as c:
+    with StoreClient(shared_store.master) as c:
         assert c.put("fence/after-bad", b"ok") and c.get("fence/after-bad") == b"ok"
 
 
@@ -97,11 +97,11 @@ def test_fences_hold_across_a_master_restart(cluster):
         assert c.put("mr/b", b"after") and c.exists("mr/b") and c.get("mr/b") == b"after"
 
 
-def test_another_client_sees_a_put_once_it_returns(store):
+def test_another_client_sees_a_put_once_it_returns(shared_store):
     """The node sends its report before the writer hears back, and the master applies the
     reports it reads in a loop turn before the lookups: a lookup the answer led to, from any
     client, finds the key."""
-    with StoreClient(store.master) as a, StoreClient(store.master, transport="tcp") as b:
+    with StoreClient(shared_store.master) as a, StoreClient(shared_store.master, transport="tcp") as b:
         for i in range(200):
             assert a.put(f"seen/{i}", b"v" * 100)
             assert b.exists(f"seen/{i}"), i
@@ -134,13 +134,13 @@ def test_a_report_after_a_lost_one_is_refused(tmp_path):
         master.close()
 
 
-def test_a_report_from_another_connection_is_refused(store):
+def test_a_report_from_another_connection_is_refused(shared_store):
     """Only the connection a node registered on speaks for it."""
-    with StoreClient(store.master) as c:
+    with StoreClient(shared_store.master) as c:
         assert c.put("gap/a", b"x")
         node_id, (segment, seq) = next(iter(c.fences.after().items()))
         forged = P.CommittedRequest(node_id, ["gap/forged"], [1], [0], seq + 1)
-        reply = request(store.master, forged)
+        reply = request(shared_store.master, forged)
         assert isinstance(reply, P.ErrorReply) and reply.code == "unknown_node", reply
         assert not c.exists("gap/forged")
         assert c.put("gap/b", b"y")     # the node's own next report (seq + 1) is applied
