@@ -56,16 +56,40 @@ def _stopped(stat_path: str) -> bool:
 
 
 def request(address: str, msg: P.Message, timeout_s: float = 2.0, token: str = "") -> Optional[P.Message]:
-    """One raw request (CURVE with ``token``); None when nothing answers in time."""
-    ctx = zmq.Context.instance()
-    sock = secure_client(ctx.socket(zmq.DEALER), credential(token))
+    """One raw request (CURVE with ``token``); None when the server drops the connection (a
+    failed handshake too) or nothing answers in time."""
+    sock = secure_client(zmq.Context.instance().socket(zmq.DEALER), credential(token))
+    return _exchange(sock, address, [P.encode(msg, 1)], timeout_s)
+
+
+def raw_request(address: str, frames: list, timeout_s: float = 5.0) -> Optional[P.Message]:
+    """Send raw ``frames`` on a fresh DEALER (no CURVE); the reply, or None as ``request``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    return _exchange(sock, address, frames, timeout_s)
+
+
+def _exchange(sock, address: str, frames: list, timeout_s: float) -> Optional[P.Message]:
+    """Send ``frames`` on ``sock`` (then closed) and wait for one reply. A drop is seen as it
+    happens, through a socket monitor: a test of a refused peer does not wait out its timeout."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     sock.connect(address)
     try:
-        sock.send(P.encode(msg, 1))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        return P.decode(sock.recv(), request=False).msg
+        sock.send_multipart(frames, copy=False)
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if sock in ready:
+                return P.decode(sock.recv(), request=False).msg
+            if monitor in ready:        # dropped: a reply that came before is queued already
+                return P.decode(sock.recv(), request=False).msg if sock.poll(0) else None
+        return None
     finally:
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
 
 

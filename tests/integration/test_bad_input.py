@@ -3,24 +3,10 @@ token gets nothing at all (its handshake fails); the servers keep serving."""
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
-from procs import request
-
-
-def raw(address: str, frames: list, timeout_s: float = 2.0):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        sock.send_multipart(frames)
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        return P.decode(sock.recv(), request=False).msg
-    finally:
-        sock.close()
+from procs import raw_request, request
 
 
 def node_address(store) -> str:
@@ -44,7 +30,7 @@ BAD = [
 @pytest.mark.parametrize("name,frames,code", BAD, ids=[b[0] for b in BAD])
 def test_bad_frames_get_error_and_server_keeps_serving(store, which, name, frames, code):
     address = store.master if which == "master" else node_address(store)
-    reply = raw(address, frames)
+    reply = raw_request(address, frames)
     assert isinstance(reply, P.ErrorReply), reply
     assert reply.code == code
     with StoreClient(store.master) as c:

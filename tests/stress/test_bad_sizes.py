@@ -19,7 +19,7 @@ import zmq
 from hicache_mc import protocol as P
 from hicache_mc.client import StoreClient
 from harness import stress_cluster, valid_client_works, vm_hwm
-from procs import request
+from procs import raw_request, request
 
 MiB = 1 << 20
 LIMIT = 1 * MiB
@@ -36,20 +36,6 @@ def sized(tmp_path_factory):
     c.wait_nodes(2)
     yield c
     c.stop()
-
-
-def raw(address: str, frames: list, timeout_s: float = 5.0):
-    """Send frames on a fresh DEALER; the reply, or None when nothing came back in time."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        sock.send_multipart(frames, copy=False)
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        return P.decode(sock.recv(), request=False).msg
-    finally:
-        sock.close()
 
 
 def node_stats(c, i: int) -> dict:
@@ -90,7 +76,7 @@ def test_msgpack_bombs_are_refused_without_allocating(sized, blob, which):
     proc = sized.master_proc if which == "master" else sized.nodes[0]
     address = sized.master if which == "master" else sized.nodes[0].address
     before = vm_hwm(proc.p.pid)
-    reply = raw(address, [blob])
+    reply = raw_request(address, [blob])
     assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request", reply
     assert vm_hwm(proc.p.pid) - before < 4 * MiB
     assert proc.alive
@@ -108,7 +94,7 @@ def test_absurd_place_sizes_do_not_break_placement(sized):
 def test_oversized_header_frame_is_refused_without_allocating(sized):
     proc = sized.master_proc
     before = vm_hwm(proc.p.pid)
-    reply = raw(sized.master, [b"\x00" * (P.MAX_HEADER_BYTES + 16 * MiB)], timeout_s=10)
+    reply = raw_request(sized.master, [b"\x00" * (P.MAX_HEADER_BYTES + 16 * MiB)], timeout_s=10)
     assert reply is None or isinstance(reply, P.ErrorReply), reply   # refused or disconnected
     assert proc.alive
     valid_client_works(sized, "oversized-header")
@@ -119,7 +105,7 @@ def test_oversized_header_frame_is_refused_without_allocating(sized):
 def test_oversized_value_frame_is_refused_without_allocating(sized):
     node = sized.nodes[0]
     before = vm_hwm(node.p.pid)
-    reply = raw(node.address, [b"\x01" * (64 * MiB)], timeout_s=10)
+    reply = raw_request(node.address, [b"\x01" * (64 * MiB)], timeout_s=10)
     assert reply is None, reply     # over MAXMSGSIZE: ZeroMQ drops the peer
     assert node.alive
     grew = vm_hwm(node.p.pid) - before
