@@ -28,18 +28,18 @@ BAD = [
 
 @pytest.mark.parametrize("which", ["master", "node"])
 @pytest.mark.parametrize("name,frames,code", BAD, ids=[b[0] for b in BAD])
-def test_bad_frames_get_error_and_server_keeps_serving(store, which, name, frames, code):
-    address = store.master if which == "master" else node_address(store)
+def test_bad_frames_get_error_and_server_keeps_serving(shared_store, which, name, frames, code):
+    address = shared_store.master if which == "master" else node_address(shared_store)
     reply = raw_request(address, frames)
     assert isinstance(reply, P.ErrorReply), reply
     assert reply.code == code
-    with StoreClient(store.master) as c:
+    with StoreClient(shared_store.master) as c:
         assert c.put(f"after/{which}/{name}", b"ok")
         assert c.get(f"after/{which}/{name}") == b"ok"
 
 
-def test_oversized_reserve_is_refused(store):
-    node = node_address(store)
+def test_oversized_reserve_is_refused(shared_store):
+    node = node_address(shared_store)
     reply = request(node, P.ReserveRequest(["huge"], [1 << 40]))
     assert isinstance(reply, P.ReserveReply) and reply.offsets == [-1]
 
