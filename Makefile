@@ -16,8 +16,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hicache-mc demo
 
+# Two workers, each taking whole modules (their shared stores start once per module).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadscope
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_store.py
