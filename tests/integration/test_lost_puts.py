@@ -20,15 +20,15 @@ def wait_for(pred, what: str, timeout_s: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_late_eviction_report_leaves_a_key_committed_after_it(store):
+def test_a_late_eviction_report_leaves_a_key_committed_after_it(shared_store):
     """An eviction report that reaches the master after a later commit of the same key is not
     the node's next report: refused, it must not remove the key the node holds. (Here an
     unnumbered one, and from another connection than the node's: refused for either reason;
     test_commit_fence.py checks the numbering on the node's own connection.)"""
-    with StoreClient(store.master) as c:
+    with StoreClient(shared_store.master) as c:
         assert c.put("late/k", b"v1")
         node_id = next(iter(c.fences.after()))
-        reply = request(store.master, P.EvictedRequest(node_id, ["late/k"]))
+        reply = request(shared_store.master, P.EvictedRequest(node_id, ["late/k"]))
         assert isinstance(reply, P.ErrorReply) and reply.code in ("report_gap", "unknown_node"), reply
         assert c.exists("late/k")
         assert c.put("late/k", b"v1") and c.get("late/k") == b"v1"
@@ -74,12 +74,13 @@ def _segment(store):
 
 
 @pytest.mark.parametrize("how, transport", [("bad checksum", "shm"), ("overwritten", "tcp")])
-def test_a_damaged_object_is_dropped_when_read_and_a_re_put_stores_it(store, how, transport):
+def test_a_damaged_object_is_dropped_when_read_and_a_re_put_stores_it(shared_store, how,
+                                                                       transport):
     """A commit whose checksum does not match the bytes, or bytes changed under a committed
     object: the first read is a miss and drops the object, so a re-put stores it again."""
     key, data = f"damaged/{transport}", b"d" * 4096
-    node, seg = _segment(store)
-    with StoreClient(store.master, transport=transport) as c:
+    node, seg = _segment(shared_store)
+    with StoreClient(shared_store.master, transport=transport) as c:
         if how == "bad checksum":       # a writer whose commit names another checksum
             off = request(node["address"], P.ReserveRequest([key], [len(data)])).offsets[0]
             seg[off: off + len(data)] = data
