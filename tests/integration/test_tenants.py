@@ -28,6 +28,17 @@ def cli(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=30)
 
 
+def wait_for_quota(c: StoreClient, tenant: str, quota: int, heartbeat_s: float) -> None:
+    """Return once the node refuses a put larger than ``tenant``'s ``quota``: it has learnt its
+    share from a heartbeat reply. Until then the probe is stored, and cleared again."""
+    probe = batch_page_keys(ns(tenant), ["probe"], ("k",))[0]
+    end = time.monotonic() + 30
+    while c.put(probe, b"x" * (quota + MiB)):
+        assert time.monotonic() < end, "the node never applied the quota"
+        c.clear(probe)
+        time.sleep(heartbeat_s)
+
+
 def test_tenant_of_key():
     assert tenant_of(ns("teamA") + "/abc/k") == "teamA"
     assert tenant_of(ns("") + "/abc/k") == ""
@@ -39,10 +50,10 @@ def test_over_quota_tenant_evicts_its_own_objects_only(cluster):
     cluster.start_master()
     cluster.add_node(dram="64MiB")
     cluster.wait_nodes(1)
-    time.sleep(3 * cluster.heartbeat_s)              # the node learns its share
     polite = batch_page_keys(ns("polite"), [f"p{i}" for i in range(8)], ("k",))
     greedy = batch_page_keys(ns("greedy"), [f"g{i}" for i in range(20)], ("k",))
     with StoreClient(cluster.master) as c:
+        wait_for_quota(c, "greedy", 6 * MiB, cluster.heartbeat_s)
         for i, k in enumerate(polite):
             assert c.put(k, blob(i))
         for i, k in enumerate(greedy):
@@ -71,9 +82,9 @@ def test_quota_set_at_runtime_and_shown_in_stats(cluster):
     cluster.wait_nodes(1)
     r = cli("quota", "--master", cluster.master, "teamq", "3MiB")
     assert r.returncode == 0, r.stderr
-    time.sleep(3 * cluster.heartbeat_s)
     keys = batch_page_keys(ns("teamq"), [f"q{i}" for i in range(5)], ("k",))
     with StoreClient(cluster.master) as c:
+        wait_for_quota(c, "teamq", 3 * MiB, cluster.heartbeat_s)
         for i, k in enumerate(keys):
             assert c.put(k, blob(i))
         assert sum(c.exists(k) for k in keys) == 2        # 3 x charge(1 MiB) > 3 MiB
@@ -107,12 +118,12 @@ def test_a_quota_holds_under_one_large_batch(cluster):
     cluster.wait_nodes(1)
     reply = request(cluster.master, P.QuotaRequest("batchy", MiB))
     assert isinstance(reply, P.OkReply), reply
-    time.sleep(3 * cluster.heartbeat_s)              # the node learns its share
     size = 256 << 10
     buf = np.arange(32 * size, dtype=np.uint32).view(np.uint8)[: 32 * size].copy()
     ptrs, sizes = [buf.ctypes.data + i * size for i in range(32)], [size] * 32
     polite = batch_page_keys(ns("polite"), [f"p{i}" for i in range(4)], ("k",))
     with StoreClient(cluster.master) as c:
+        wait_for_quota(c, "batchy", MiB, cluster.heartbeat_s)
         assert c.batch_put_from(polite, ptrs[:4], sizes[:4]) == [True] * 4
         for batch in range(2):
             keys = batch_page_keys(ns("batchy"), [f"b{batch}-{i}" for i in range(32)], ("k",))
@@ -159,12 +170,7 @@ def test_a_flood_of_empty_objects_is_charged_and_evicts_no_other_tenant(cluster)
     with StoreClient(cluster.master, timeout_s=30.0) as c:     # 4,096-key batches, a loaded host
         for i, k in enumerate(polite):
             assert c.put(k, blob(i))
-        probe = batch_page_keys(ns("tiny"), ["probe"], ("k",))[0]
-        end = time.monotonic() + 30                 # the node has learnt its share of the quota
-        while c.put(probe, b"x" * (2 * MiB)):
-            assert time.monotonic() < end, "the node never applied the quota"
-            c.clear(probe)
-            time.sleep(cluster.heartbeat_s)
+        wait_for_quota(c, "tiny", MiB, cluster.heartbeat_s)
         for batch in range(20):
             keys = batch_page_keys(ns("tiny"), [f"e{batch}-{i}" for i in range(4096)], ("k",))
             ok = c.batch_put_from(keys, [empty.ctypes.data] * len(keys), [0] * len(keys))
