@@ -112,11 +112,17 @@ class Proc:
         log.close()
         return self
 
-    def kill(self, sig=signal.SIGKILL) -> None:
+    def kill(self, sig=signal.SIGKILL, wait: bool = True) -> None:
+        """Send ``sig``; with ``wait``, a signal that ends the process returns once it has."""
         if self.p and self.p.poll() is None:
             self.p.send_signal(sig)
-            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            if wait and sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
                 self.p.wait(10)
+
+    def wait(self, timeout_s: float = 10.0) -> None:
+        """Return once the process has ended (TimeoutExpired after ``timeout_s``)."""
+        if self.p:
+            self.p.wait(timeout_s)
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """SIGSTOP, and return once every thread of the process has stopped: the signal is
@@ -226,8 +232,12 @@ class Cluster:
         return "\n".join(f"--- {p.log_path}\n{p.log()[-3000:]}" for p in self.procs())
 
     def stop(self) -> None:
-        for p in self.procs():
-            p.stop()
+        """SIGTERM every process at once, then wait for each: they shut down side by side."""
+        procs = self.procs()
+        for p in procs:
+            p.kill(signal.SIGTERM, wait=False)
+        for p in procs:
+            p.wait()
 
 
 class Store:
