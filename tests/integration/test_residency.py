@@ -1,6 +1,7 @@
 """The residency view (client/view.py) against a real master and node: it answers lookups
 locally once in sync, follows puts, clears, node expiry and a master restart, resyncs after a
 lost update, keeps read-your-writes, and never holds a caller past its deadline."""
+import itertools
 import signal
 import time
 
@@ -50,35 +51,62 @@ def one_node(tmp_path, **env) -> Cluster:
     return c
 
 
-@pytest.fixture
-def cluster(tmp_path):
+def view_cluster(tmp_path) -> Cluster:
+    """A started master publishing a beat every ``BEAT`` and one node."""
     c = Cluster(tmp_path, heartbeat_s=0.2, liveness=3)
     c.env["HICACHE_MC_MASTER_PUBLISH_BEAT_S"] = str(BEAT)
     c.start_master()
     c.add_node("64MiB")
     c.wait_nodes(1)
+    return c
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A cluster of its own, for a test that pauses, kills or restarts a process."""
+    c = view_cluster(tmp_path)
     yield c
     c.stop()
 
 
-def test_view_answers_its_hits_and_the_master_its_misses(cluster):
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
-        assert w.put(key("a"), b"x")
-        follow(r)
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    """One cluster for the tests that leave its processes alone; each keeps to its ``ns``."""
+    c = view_cluster(tmp_path_factory.mktemp("views"))
+    yield c
+    c.stop()
+
+
+_spaces = itertools.count(1)
+
+
+@pytest.fixture
+def ns() -> str:
+    """A namespace no other test of the module uses (same shape as ``NS``)."""
+    return f"{next(_spaces):016x}@t"
+
+
+def test_view_answers_its_hits_and_the_master_its_misses(shared_cluster, ns):
+    with StoreClient(shared_cluster.master) as w, \
+            StoreClient(shared_cluster.master, view="on") as r:
+        assert w.put(key("a", ns), b"x")
+        follow(r, ns)
         before = exists_calls(w)
         answers = r.view.counters["view_answers"]
-        assert w.put(key("b"), b"y")
-        wait(lambda: r.contains_cached([key("a"), key("b")]) == [True, True], what="put seen")
-        assert r.batch_exists([key("a"), key("b")]) == 2
-        assert r.batch_contains([key("b"), key("a")]) == [True, True]
+        assert w.put(key("b", ns), b"y")
+        wait(lambda: r.contains_cached([key("a", ns), key("b", ns)]) == [True, True],
+             what="put seen")
+        assert r.batch_exists([key("a", ns), key("b", ns)]) == 2
+        assert r.batch_contains([key("b", ns), key("a", ns)]) == [True, True]
         assert exists_calls(w) == before            # hits: the view alone
-        assert r.batch_exists([key("a"), key("zz"), key("b")]) == 1
-        assert r.batch_contains([key("b"), key("zz"), key("a")]) == [True, False, True]
+        assert r.batch_exists([key("a", ns), key("zz", ns), key("b", ns)]) == 1
+        assert r.batch_contains([key("b", ns), key("zz", ns), key("a", ns)]) == [True, False, True]
         assert exists_calls(w) == before + 2        # a miss: the master's word
-        assert w.clear(NS + "/") == 2
-        wait(lambda: r.contains_cached([key("a"), key("b")]) == [False, False], what="clear seen")
-        assert r.batch_exists([key("a")]) == 0
-        assert r.batch_contains([key("a"), key("b")]) == [False, False]
+        assert w.clear(ns + "/") == 2
+        wait(lambda: r.contains_cached([key("a", ns), key("b", ns)]) == [False, False],
+             what="clear seen")
+        assert r.batch_exists([key("a", ns)]) == 0
+        assert r.batch_contains([key("a", ns), key("b", ns)]) == [False, False]
         assert r.view.counters["view_answers"] >= answers + 6
 
 
@@ -100,105 +128,110 @@ def test_contains_cached_answers_from_the_view_or_not_at_all(cluster):
         assert (exists_calls(w), w.stats()["cluster"]["locate_calls"]) == before
 
 
-def test_a_chain_of_sglang_pages_is_answered_from_its_page_hashes(cluster):
+def test_a_chain_of_sglang_pages_is_answered_from_its_page_hashes(shared_cluster, ns):
     """A client that wrote none of the keys answers a chain of SGLang pages (SHA-256 page
     hashes, k and v parts) from the hashes alone: the digests it derives from them are the
     ones the master derived from the keys it indexed. A chain with a hash that is no page hash
     is answered from its keys."""
     import hashlib
     hashes = [hashlib.sha256(b"page %d" % i).hexdigest() for i in range(4)]
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
+    with StoreClient(shared_cluster.master) as w, \
+            StoreClient(shared_cluster.master, view="on") as r:
         for h in hashes[:3]:
-            assert w.put(f"{NS}/{h}/k", b"k") and w.put(f"{NS}/{h}/v", b"v")
-        assert w.put(f"{NS}/{hashes[3]}/k", b"k")          # page 3 has no v: the run ends
-        follow(r)
+            assert w.put(f"{ns}/{h}/k", b"k") and w.put(f"{ns}/{h}/v", b"v")
+        assert w.put(f"{ns}/{hashes[3]}/k", b"k")          # page 3 has no v: the run ends
+        follow(r, ns)
         before, answers = exists_calls(w), r.view.counters["view_answers"]
-        assert r.batch_exists_pages(NS, hashes, ("k",)) == 4
+        assert r.batch_exists_pages(ns, hashes, ("k",)) == 4
         assert exists_calls(w) == before                    # a whole chain: the view alone
-        assert r.batch_exists_pages(NS, hashes, ("k", "v")) == 3
-        assert r.batch_exists_pages(NS, hashes[1:], ("v",)) == 2
+        assert r.batch_exists_pages(ns, hashes, ("k", "v")) == 3
+        assert r.batch_exists_pages(ns, hashes[1:], ("v",)) == 2
         assert r.view.counters["view_answers"] == answers + 3
         before += 2                                         # where each ends: the master's word
         assert exists_calls(w) == before
         odd = hashes[:2] + ["not a page hash"]
-        assert w.put(f"{NS}/not a page hash/k", b"k") and w.put(f"{NS}/not a page hash/v", b"v")
+        assert w.put(f"{ns}/not a page hash/k", b"k") and w.put(f"{ns}/not a page hash/v", b"v")
         fallbacks = r.view.counters["view_fallbacks"]
-        wait(lambda: r.contains_cached([f"{NS}/not a page hash/v"]) == [True], what="odd page seen")
-        assert r.batch_exists_pages(NS, odd, ("k", "v")) == 3
+        wait(lambda: r.contains_cached([f"{ns}/not a page hash/v"]) == [True], what="odd page seen")
+        assert r.batch_exists_pages(ns, odd, ("k", "v")) == 3
         assert r.view.counters["view_fallbacks"] > fallbacks and exists_calls(w) == before
 
 
-def test_a_writer_reads_its_own_writes_while_its_view_lags(cluster):
+def test_a_writer_reads_its_own_writes_while_its_view_lags(shared_cluster, ns):
     """With the view thread held, the view is in sync but has not seen the writer's commit:
     the view answers it from the writer's own recent writes, without asking the master."""
-    with StoreClient(cluster.master, view="on") as c:
-        assert c.put(key("own0"), b"x")
-        follow(c)
+    with StoreClient(shared_cluster.master, view="on") as c:
+        assert c.put(key("own0", ns), b"x")
+        follow(c, ns)
         view = c.view
         held = []
         real = view._apply
         view._apply = lambda sp, u: held.append((sp, u))     # updates arrive, are not applied
         try:
-            assert c.put(key("own1"), b"y")
+            assert c.put(key("own1", ns), b"y")
             answers = view.counters["view_answers"]
-            assert c.batch_exists([key("own0"), key("own1")]) == 2
-            assert c.batch_contains([key("own1"), key("other")]) == [True, False]
+            assert c.batch_exists([key("own0", ns), key("own1", ns)]) == 2
+            assert c.batch_contains([key("own1", ns), key("other", ns)]) == [True, False]
             assert view.counters["view_answers"] == answers + 2
         finally:
             view._apply = real
 
 
-def test_another_clients_commit_on_its_way_to_the_view_is_no_miss(cluster):
+def test_another_clients_commit_on_its_way_to_the_view_is_no_miss(shared_cluster, ns):
     """Another client's commit that the view has not applied yet (the update on its way: the
     view hears the master but applies nothing, as one whose thread is starved of CPU) is
     found all the same: the view answers its hits, the master the keys the view misses."""
     import hashlib
     pages = [hashlib.sha256(b"lag %d" % i).hexdigest() for i in range(3)]
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
-        assert w.put(key("lag0"), b"x")
-        follow(r)
+    with StoreClient(shared_cluster.master) as w, \
+            StoreClient(shared_cluster.master, view="on") as r:
+        assert w.put(key("lag0", ns), b"x")
+        follow(r, ns)
         view = r.view
         real = view._apply
         view._apply = lambda sp, u: setattr(sp, "heard", time.monotonic())   # heard, not applied
         try:
-            assert w.put(key("lag1"), b"y")
+            assert w.put(key("lag1", ns), b"y")
             for h in pages:
-                assert w.put(f"{NS}/{h}/k", b"k") and w.put(f"{NS}/{h}/v", b"v")
+                assert w.put(f"{ns}/{h}/k", b"k") and w.put(f"{ns}/{h}/v", b"v")
             answers, fallbacks = view.counters["view_answers"], view.counters["view_fallbacks"]
             asked = view.counters["view_misses_asked"]
-            assert r.batch_exists([key("lag0"), key("lag1"), key("none")]) == 2
-            assert r.batch_contains([key("lag1"), key("none"), key("lag0")]) == [True, False, True]
-            assert r.batch_exists_pages(NS, pages, ("k", "v")) == len(pages)
+            assert r.batch_exists([key("lag0", ns), key("lag1", ns), key("none", ns)]) == 2
+            assert r.batch_contains([key("lag1", ns), key("none", ns), key("lag0", ns)]) == \
+                [True, False, True]
+            assert r.batch_exists_pages(ns, pages, ("k", "v")) == len(pages)
             # the view answered each call (it was in sync), the master only what it missed
             assert view.counters["view_answers"] == answers + 3
             assert view.counters["view_fallbacks"] == fallbacks
             assert view.counters["view_misses_asked"] == asked + 3
-            assert r.contains_cached([key("lag1")]) == [False]     # the view alone: behind
+            assert r.contains_cached([key("lag1", ns)]) == [False]     # the view alone: behind
         finally:
             view._apply = real
 
 
-def test_a_put_of_a_key_already_stored_counts_as_the_writers_own(cluster):
+def test_a_put_of_a_key_already_stored_counts_as_the_writers_own(shared_cluster, ns):
     """A put whose keys another client stored writes nothing and gets no commit; it counts as
     this writer's own write all the same, so its view (here: its thread held) answers it."""
-    with StoreClient(cluster.master) as w1, StoreClient(cluster.master, view="on") as w2:
-        follow(w2)
+    with StoreClient(shared_cluster.master) as w1, \
+            StoreClient(shared_cluster.master, view="on") as w2:
+        follow(w2, ns)
         view = w2.view
         real = view._apply
         view._apply = lambda sp, u: None        # w2's view sees nothing from now on
         try:
-            assert w1.put(key("dup"), b"x")
-            assert w2.put(key("dup"), b"x")     # deduplicated: True without a write
+            assert w1.put(key("dup", ns), b"x")
+            assert w2.put(key("dup", ns), b"x")     # deduplicated: True without a write
             answers = view.counters["view_answers"]
-            assert w2.batch_exists([key("dup")]) == 1
+            assert w2.batch_exists([key("dup", ns)]) == 1
             assert view.counters["view_answers"] == answers + 1
         finally:
             view._apply = real
 
 
-def test_a_lost_update_is_a_gap_and_the_view_resyncs(cluster):
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
-        follow(r)
+def test_a_lost_update_is_a_gap_and_the_view_resyncs(shared_cluster, ns):
+    with StoreClient(shared_cluster.master) as w, \
+            StoreClient(shared_cluster.master, view="on") as r:
+        follow(r, ns)
         view = r.view
         real, dropped = view._apply, []
 
@@ -209,17 +242,18 @@ def test_a_lost_update_is_a_gap_and_the_view_resyncs(cluster):
             real(sp, u)
         view._apply = lose_first_update
         snapshots = view.counters["view_snapshots"]
-        assert w.put(key("lost"), b"x")
+        assert w.put(key("lost", ns), b"x")
         wait(lambda: view.counters["view_gaps"] >= 1, what="gap seen")
-        wait(lambda: view.counters["view_snapshots"] > snapshots and synced(r), what="resynced")
+        wait(lambda: view.counters["view_snapshots"] > snapshots and synced(r, ns), what="resynced")
         answers = view.counters["view_answers"]
-        assert r.batch_exists([key("lost")]) == 1       # the new snapshot holds it
+        assert r.batch_exists([key("lost", ns)]) == 1       # the new snapshot holds it
         assert view.counters["view_answers"] == answers + 1
         assert dropped
 
 
 def test_an_expired_node_takes_its_keys_out_of_the_view(cluster):
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on", timeout_s=1.0) as r:
+    with StoreClient(cluster.master) as w, \
+            StoreClient(cluster.master, view="on", timeout_s=1.0) as r:
         assert w.put(key("e1"), b"x") and w.put(key("e2"), b"y")
         follow(r)
         assert r.batch_exists([key("e1"), key("e2")]) == 2
@@ -251,48 +285,49 @@ def test_master_restart_resyncs_and_a_dead_master_never_holds_a_caller(cluster):
         assert r.view.counters["view_answers"] == answers + 1
 
 
-def test_view_off_asks_the_master(cluster):
-    with StoreClient(cluster.master, view="off") as c:
+def test_view_off_asks_the_master(shared_cluster, ns):
+    with StoreClient(shared_cluster.master, view="off") as c:
         assert c.view is None
-        assert c.put(key("o"), b"x")
+        assert c.put(key("o", ns), b"x")
         before = exists_calls(c)
-        assert c.batch_exists([key("o")]) == 1
+        assert c.batch_exists([key("o", ns)]) == 1
         assert exists_calls(c) == before + 1
 
 
-def test_a_stalled_view_thread_sends_lookups_to_the_master(cluster):
+def test_a_stalled_view_thread_sends_lookups_to_the_master(shared_cluster, ns):
     """The view thread stops reading (a stalled subscriber) while the namespace is cleared:
     after 3 silent beats lookups go to the master, which no longer has the key."""
     import threading
-    with StoreClient(cluster.master) as w, StoreClient(cluster.master, view="on") as r:
-        assert w.put(key("s1"), b"x")
-        follow(r)
+    with StoreClient(shared_cluster.master) as w, \
+            StoreClient(shared_cluster.master, view="on") as r:
+        assert w.put(key("s1", ns), b"x")
+        follow(r, ns)
         view, gate = r.view, threading.Event()
         real = view._drain
         view._drain = gate.wait             # the thread blocks at its next read
         try:
             time.sleep(0.1)
-            assert w.clear(NS + "/") == 1
+            assert w.clear(ns + "/") == 1
             time.sleep(STALE + 0.3)
             fallbacks = view.counters["view_fallbacks"]
-            assert r.batch_exists([key("s1")]) == 0
+            assert r.batch_exists([key("s1", ns)]) == 0
             assert view.counters["view_fallbacks"] == fallbacks + 1
         finally:
             view._drain = real
             gate.set()
-        wait(lambda: synced(r), what="back in sync")
-        assert r.batch_exists([key("s1")]) == 0
+        wait(lambda: synced(r, ns), what="back in sync")
+        assert r.batch_exists([key("s1", ns)]) == 0
 
 
-def test_a_client_that_clears_sees_its_clear_at_once(cluster):
+def test_a_client_that_clears_sees_its_clear_at_once(shared_cluster, ns):
     """A clear carries no fence: the clearing client's view answers only after a new snapshot."""
-    with StoreClient(cluster.master, view="on") as c:
+    with StoreClient(shared_cluster.master, view="on") as c:
         for i in range(20):
-            assert c.put(key(f"c{i}"), b"x")
-            follow(c)
-            assert c.batch_exists([key(f"c{i}")]) == 1
-            assert c.clear(NS + "/") == 1
-            assert c.batch_exists([key(f"c{i}")]) == 0
+            assert c.put(key(f"c{i}", ns), b"x")
+            follow(c, ns)
+            assert c.batch_exists([key(f"c{i}", ns)]) == 1
+            assert c.clear(ns + "/") == 1
+            assert c.batch_exists([key(f"c{i}", ns)]) == 0
 
 
 def test_a_master_that_publishes_nothing_still_answers(tmp_path):
