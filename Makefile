@@ -16,9 +16,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hicache-mc demo
 
-# Two workers, each taking whole modules (their shared stores start once per module).
+# Two workers, each taking whole modules (their shared stores start once per module); the
+# slow tests (live SGLang servers, ~2 GiB each, and the long stress profile) then run alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadscope
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow"
+	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_store.py
