@@ -23,8 +23,9 @@ def _storage_metrics_cls():
     try:  # sglang 0.5.6+ (the N/P line)
         from sglang.srt.observability.metrics_collector import StorageMetrics
         return StorageMetrics
-    except Exception:
-        pass
+    except Exception as exc:
+        logger.debug("hicache_mc: no observability.metrics_collector (%s); trying the older path",
+                     exc)
     try:  # older builds
         from sglang.srt.metrics.collector import StorageMetrics
         return StorageMetrics

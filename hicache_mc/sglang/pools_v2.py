@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -25,6 +26,8 @@ import torch
 from ..keys import NAMESPACE_CHARS, batch_page_keys, with_tenant
 from .layout import tokens_per_page
 from .staging import ChunkStager, Staging
+
+logger = logging.getLogger("hicache_mc.sglang")
 
 MAMBA = "mamba"   # PoolName.MAMBA: TP-sharded state even in an MLA model
 
@@ -75,8 +78,9 @@ def probe_side_pool(pool) -> SideGeometry:
                 and all(s > 0 for s in sizes):
             return _grouped(SideGeometry(type(pool).__name__, layout, page_size, tuple(sizes),
                                          True), _opt_int(pool, "layer_num"))
-    except Exception:   # no zero-copy API for this pool (or this layout): flat pages instead
-        pass
+    except Exception as exc:   # no zero-copy API for this pool (or this layout): flat pages
+        logger.debug("hicache_mc: %s has no zero-copy page API (%s): flat pages",
+                     type(pool).__name__, exc)
     try:
         flat = pool.get_dummy_flat_data_page()
         nbytes = flat.numel() * flat.element_size()
