@@ -15,6 +15,8 @@ import os
 import random
 from typing import Iterable, NamedTuple, Optional, Sequence
 
+from replay.trace import rows as trace_rows
+
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CONVERSATION = os.path.join(DATA, "mooncake-fast25", "conversation_trace.jsonl.xz")
 BLOCK_TOKENS = 512          # the trace's block: one simulated page
@@ -31,22 +33,15 @@ class TraceRequest(NamedTuple):
 def load(path: str = CONVERSATION, limit: Optional[int] = None) -> list[TraceRequest]:
     """The first ``limit`` requests (all when None) of a ``.jsonl`` or ``.jsonl.xz`` file, in
     timestamp order (stable), indexed from 0."""
-    opener = lzma.open if path.endswith(".xz") else open
-    rows: list[TraceRequest] = []
-    with opener(path, "rt") as f:
-        for line in f:
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            n_in = int(d["input_length"])
-            if n_in <= 0:
-                raise ValueError(f"{path}: line {len(rows) + 1}: input_length must be > 0")
-            rows.append(TraceRequest(len(rows), d["timestamp"] / 1000.0, n_in,
-                                     max(1, int(d["output_length"])), tuple(d["hash_ids"])))
-    rows.sort(key=lambda r: r.timestamp_s)
-    return [r._replace(index=i) for i, r in enumerate(rows)]
+    reqs: list[TraceRequest] = []
+    for i, d in enumerate(trace_rows(path, limit)):
+        n_in = int(d["input_length"])
+        if n_in <= 0:
+            raise ValueError(f"{path}: record {i + 1}: input_length must be > 0")
+        reqs.append(TraceRequest(i, d["timestamp"] / 1000.0, n_in,
+                                 max(1, int(d["output_length"])), tuple(d["hash_ids"])))
+    reqs.sort(key=lambda r: r.timestamp_s)
+    return [r._replace(index=i) for i, r in enumerate(reqs)]
 
 
 def spread(reqs: Sequence[TraceRequest], seed: int = 0) -> list[TraceRequest]:

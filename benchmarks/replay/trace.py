@@ -6,11 +6,12 @@ blocks; a block after the first miss is recomputed even if it is cached.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import lzma
 import os
 from collections import OrderedDict
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 DEFAULT_TRACE = os.path.join(DATA, "mooncake-fast25", "conversation_trace.jsonl.xz")
@@ -22,17 +23,19 @@ class Request(NamedTuple):
     hash_ids: tuple
 
 
+def rows(path: str, limit: Optional[int] = None) -> Iterator[dict]:
+    """The first ``limit`` records (all when None) of a ``.jsonl`` or ``.jsonl.xz`` trace, as
+    read (blank lines skipped)."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        records = (json.loads(line) for line in f if line.strip())
+        yield from itertools.islice(records, limit)
+
+
 def load(path: str = DEFAULT_TRACE, limit: Optional[int] = None) -> list[Request]:
     """The first ``limit`` requests (all when None) of a ``.jsonl`` or ``.jsonl.xz`` trace."""
-    opener = lzma.open if path.endswith(".xz") else open
-    out: list[Request] = []
-    with opener(path, "rt") as f:
-        for line in f:
-            if limit is not None and len(out) >= limit:
-                break
-            if line.strip():
-                d = json.loads(line)
-                out.append(Request(len(out), int(d["timestamp"]), tuple(d["hash_ids"])))
+    out = [Request(i, int(d["timestamp"]), tuple(d["hash_ids"]))
+           for i, d in enumerate(rows(path, limit))]
     if any(a.timestamp_ms > b.timestamp_ms for a, b in zip(out, out[1:])):
         out.sort(key=lambda r: r.timestamp_ms)      # replay in timestamp order, stable
         out = [r._replace(index=i) for i, r in enumerate(out)]
