@@ -36,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "conductor"))
-from bench_proxy import _content_length, _read_response, free_port  # noqa: E402
+from bench_proxy import _content_length, free_port, sequential, throughput  # noqa: E402
 from common import pct, table, write_json  # noqa: E402
 
 PROMPT_TOKENS = 8192
@@ -79,41 +79,6 @@ class FakeWorker(asyncio.Protocol):
             else:
                 self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                              + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def _request(port: int, path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-
-
-async def sequential(port: int, path: str, bodies: list[bytes]) -> list[float]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    out = []
-    for body in bodies:
-        req = _request(port, path, body)
-        t0 = time.perf_counter()
-        writer.write(req)
-        await _read_response(reader)
-        out.append(time.perf_counter() - t0)
-    writer.close()
-    return out
-
-
-async def throughput(port: int, path: str, bodies: list[bytes], conns: int, seconds: float) -> float:
-    done, end = [0], time.perf_counter() + seconds
-
-    async def one(k: int):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        i = k
-        while time.perf_counter() < end:
-            writer.write(_request(port, path, bodies[i % len(bodies)]))
-            await _read_response(reader)
-            done[0] += 1
-            i += conns
-        writer.close()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(k) for k in range(conns)))
-    return done[0] / (time.perf_counter() - t0)
 
 
 class Workload:

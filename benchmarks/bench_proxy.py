@@ -206,15 +206,16 @@ async def _read_response(reader: asyncio.StreamReader) -> float:
     return first
 
 
-def _request(port: int, body: bytes) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % (port, len(body))) + body
+def _request(port: int, path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def latencies(port: int, body: bytes, n: int) -> list[float]:
+async def sequential(port: int, path: str, bodies: list[bytes]) -> list[float]:
+    """Each body's round trip, one after another on one connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    req, out = _request(port, body), []
-    for _ in range(n):
+    out = []
+    for req in [_request(port, path, body) for body in bodies]:
         t0 = time.perf_counter()
         writer.write(req)
         await _read_response(reader)
@@ -223,18 +224,25 @@ async def latencies(port: int, body: bytes, n: int) -> list[float]:
     return out
 
 
-async def throughput(port: int, body: bytes, conns: int, seconds: float) -> float:
-    req, done, end = _request(port, body), [0], time.perf_counter() + seconds
+async def latencies(port: int, body: bytes, n: int) -> list[float]:
+    return await sequential(port, "/v1/completions", [body] * n)
 
-    async def one():
+
+async def throughput(port: int, path: str, bodies: list[bytes], conns: int, seconds: float) -> float:
+    """Requests per second over ``conns`` connections for ``seconds``, cycling the bodies."""
+    reqs, done, end = [_request(port, path, b) for b in bodies], [0], time.perf_counter() + seconds
+
+    async def one(k: int):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        i = k
         while time.perf_counter() < end:
-            writer.write(req)
+            writer.write(reqs[i % len(reqs)])
             await _read_response(reader)
             done[0] += 1
+            i += conns
         writer.close()
     t0 = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(conns)))
+    await asyncio.gather(*(one(k) for k in range(conns)))
     return done[0] / (time.perf_counter() - t0)
 
 
@@ -255,7 +263,7 @@ async def measure_round(port: int, up_port: int, n: int, seconds: float) -> dict
     return {"added_p50_ms": (pct(via, 50) - pct(direct, 50)) * 1e3,
             "added_p90_ms": (pct(via, 90) - pct(direct, 90)) * 1e3,
             "added_stream_p50_ms": (pct(via_s, 50) - pct(direct_s, 50)) * 1e3,
-            "rps_one_core": await throughput(port, small, 64, seconds)}
+            "rps_one_core": await throughput(port, "/v1/completions", [small], 64, seconds)}
 
 
 async def _upstream(port: int):
