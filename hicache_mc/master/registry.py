@@ -15,6 +15,9 @@ class NodeState:
     last_seen: float
     stats: dict = field(default_factory=dict)
     planned: int = 0        # bytes placed on it since its last heartbeat (not yet in its stats)
+    # bytes placed in the interval before: a heartbeat's stats may predate their commit, so
+    # they count until the next one (twice, at worst: a busy node looks fuller, never emptier)
+    planned_before: int = 0
     record: dict = field(default_factory=dict)   # info.to_dict(), built once: replies carry it
     seq: int = 0            # the node's last report (Committed, Evicted) applied (fences)
     ident: bytes = b""      # the connection it registered on: its reports count only from there
@@ -26,7 +29,7 @@ class NodeState:
     @property
     def free(self) -> int:
         used = int(self.stats.get("used", 0))
-        return self.info.capacity - used - self.planned
+        return self.info.capacity - used - self.planned - self.planned_before
 
 
 # A node whose heartbeat is this many intervals old has missed one: it takes no new objects,
@@ -75,7 +78,7 @@ class NodeRegistry:
         if st is not None:
             st.last_seen = time.monotonic()
             st.stats = stats
-            st.planned = 0
+            st.planned_before, st.planned = st.planned, 0
         return st
 
     def expire(self, now: float) -> list[NodeState]:

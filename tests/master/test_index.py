@@ -38,6 +38,21 @@ def test_a_new_chain_goes_whole_to_the_writers_host_then_to_the_node_with_most_r
     assert place(reg, ask([10], "elsewhere")) == [["n2"]]
 
 
+def test_a_heartbeat_sent_before_a_chains_commit_does_not_hide_the_chain_from_placement():
+    reg = NodeRegistry(1.0, 3)
+    reg.upsert(info(1), 0, b"a")
+    reg.upsert(info(2), 1, b"b")
+    assert place(reg, ask([300])) == [["n1"]]
+    reg.touch("n1", b"a", {"used": 0})      # its stats were taken before the chain committed
+    assert place(reg, ask([300])) == [["n2"]]
+    reg.touch("n1", b"a", {"used": 300})    # the next one counts it
+    assert reg.nodes["n1"].free == 700
+    reg.touch("n2", b"b", {"used": 300})    # counted twice for one interval: a busy node looks
+    assert reg.nodes["n2"].free == 400      # fuller, never emptier
+    reg.touch("n2", b"b", {"used": 300})
+    assert reg.nodes["n2"].free == 700
+
+
 def test_expiry():
     reg = NodeRegistry(1.0, 3)
     st = reg.upsert(info(1), 0)
