@@ -25,13 +25,13 @@ from harness import (LONG_PROFILE, Load, acked_keys, assert_healthy, locate, pro
 from traffic import universe
 
 TIMEOUT_S = max(300, int(LONG_PROFILE.fault_seconds * 2 + 180))
-SEED_PAGES = 256
+SEED_CHAINS, SPARE_CHAINS, CHAIN_PAGES = 2, 6, 128
 MiB = 1 << 20
 
 
-def seed_keys() -> list[str]:
-    table = universe(1, 4, 0, 128, "seed")     # no shared prefix: distinct keys
-    return list(dict.fromkeys(k for keys in table.values() for k in keys))[:SEED_PAGES]
+def seed_chains() -> list[list[str]]:
+    """Distinct prefix chains (no shared prefix), each one Place: placement keeps it on one node."""
+    return list(universe(1, SEED_CHAINS + SPARE_CHAINS, 0, CHAIN_PAGES, "seed").values())
 
 
 class Scenario:
@@ -40,16 +40,22 @@ class Scenario:
     def __init__(self, cluster, profile, tmp_path, name):
         self.cluster, self.profile, self.tmp, self.name = cluster, profile, tmp_path, name
         self.events: list[dict] = []
-        self.seeds = seed_keys()
+        self.seeds: list[str] = []
         self.where: dict[str, str] = {}
         self.outage_checks: list[dict] = []
 
     def preload(self) -> None:
-        ok = put_pages(self.cluster.master, self.seeds, self.profile.page_size)
-        assert all(ok), f"{ok.count(False)} pre-loaded pages were not stored"
-        self.where = locate(self.cluster.master, self.seeds)
-        assert len(self.where) == len(self.seeds)
-        assert len(set(self.where.values())) == 2, "the pre-loaded set should span both nodes"
+        """Store SEED_CHAINS chains, and spare ones until both nodes hold some: a new chain goes
+        to the node with most room, unless the other is late with its heartbeat (a loaded host)."""
+        for i, chain in enumerate(seed_chains()):
+            ok = put_pages(self.cluster.master, chain, self.profile.page_size)
+            assert all(ok), f"{ok.count(False)} pre-loaded pages were not stored"
+            self.seeds += chain
+            self.where = locate(self.cluster.master, self.seeds)
+            assert len(self.where) == len(self.seeds)
+            if i + 1 >= SEED_CHAINS and len(set(self.where.values())) == 2:
+                return
+        raise AssertionError(f"{len(self.seeds) // CHAIN_PAGES} chains all went to one node")
 
     def event(self, load: Load, what: str) -> None:
         self.events.append({"t": round(load.since_start(), 2), "event": what})
