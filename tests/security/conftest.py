@@ -22,8 +22,10 @@ if _soft < min(_hard, 16384):
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """(cluster, {"master": Proc, "node": Proc}) with a token, heartbeats every 0.25 s and a
-    node dropped after 4 missed ones (1 s): a loop stalled for a second expires the node."""
-    c = Cluster(tmp_path_factory.mktemp("guarded"), heartbeat_s=0.25, liveness=4, token=TOKEN)
+    node dropped after 6 missed ones (1.5 s): a loop stalled that long expires the node (the
+    decoding bombs these tests send stalled the old decoder 6-10 s; a 2-core host shared by
+    two test workers has delayed a heartbeat past 1 s)."""
+    c = Cluster(tmp_path_factory.mktemp("guarded"), heartbeat_s=0.25, liveness=6, token=TOKEN)
     c.start_master(("--metrics-port", str(free_port())))
     node = c.add_node(dram="128MiB", args=("--node-metrics-port", str(free_port())))
     c.wait_nodes(1)

@@ -77,7 +77,7 @@ def test_idle_connections_on_every_port(guarded):
             assert took < 2.0, f"honest {transport} round trip took {took:.2f} s among idle peers"
         for name, p in procs.items():
             assert threads(p.p.pid) < THREADS_LIMIT, f"{name} runs {threads(p.p.pid)} threads"
-        settle(1.5)                 # longer than the node's liveness window (4 x 0.25 s)
+        settle(2.0)                 # longer than the node's liveness window (6 x 0.25 s)
         check_after(cluster, procs, base, expired, f"{len(held)} idle connections")
     finally:
         close_all(held)
