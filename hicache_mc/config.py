@@ -243,6 +243,7 @@ class ConductorServerConfig:
     admission: str = "off"             # off | early | predictive (429 before an SLO is lost)
     slo_tolerance: float = 0.0         # reject above SLO x (1 + tolerance)
     work_weight: float = 2.0           # the core's total-work term (0: Algorithm 1 as written)
+    triage: bool = True                # admission off: a request late everywhere -> longest queue
     # the shared L3 (hicache-mc): its master, the deployment's namespace (the SGLang backend
     # logs it) and its page parts (k,v; kv for MLA); "" = no L3
     l3_master: str = ""

@@ -38,8 +38,11 @@ class Limits(NamedTuple):
     error: float = 1.0            # the predicted TTFT is judged as (ttft + c) x error - c
 
     def met(self, p: Prediction) -> bool:
-        ttft = (p.ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S
-        return ttft <= self.ttft_s and p.tbt_s <= self.tbt_s
+        return not self.late(p) and p.tbt_s <= self.tbt_s
+
+    def late(self, p: Prediction) -> bool:
+        """The predicted TTFT, judged at the recent errors, exceeds the TTFT SLO."""
+        return (p.ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S > self.ttft_s
 
 
 class Gate:

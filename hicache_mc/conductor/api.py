@@ -152,6 +152,7 @@ class Decision:
     prediction: Prediction
     decode_worker: Optional[str] = None   # PD mode
     reasons: str = ""                     # for the debug log
+    late: bool = False                    # late on every worker: sent to the longest queue
 
 
 class RejectReason(enum.Enum):

@@ -22,6 +22,10 @@ every request that will queue behind it, about ``queue / mean work`` of them, so
 worker the score is the TTFT (Algorithm 1 as written, ``work_weight = 0``) and past the knee
 it keeps a prefix where it is cheapest. Ties go to the smaller decode batch, then in turn.
 
+Triage (admission off): a request late on every worker (its best TTFT, judged at the recent
+prediction errors, over its SLO, and over ``TRIAGE_SHARE`` of it as predicted) goes to the
+longest queue: late anywhere, there it holds up no request that could still be on time.
+
 Admission (admission.py): ``OFF``, ``EARLY`` (the predicted TTFT and the current decode
 batch's TBT against the request's SLOs), ``PREDICTIVE`` (the TBT of the decode batch predicted
 for when its prefill ends). A candidate that misses makes way for the next best (up to
@@ -53,6 +57,10 @@ UNQUEUED_FRACTION = 0.05      # a TTFT is a prefill sample if its queue was pred
 CALIBRATE_MIN_QUEUE_S = 0.05  # queues shorter than this say little about the queue model's scale
 MAX_QUEUE_SCALE = 4.0         # one request moves the scale by at most this ratio's share
 QUEUE_SCALE_EMA = 0.05        # geometric: the last ~20 queued requests set the scale
+# Triage trusts a prediction under this share of the SLO whatever the recent errors. Swept in
+# the fleet simulator (0 to 1; docs/conductor.md): 0.5 is at or near the best past the knee
+# on both traces and costs nothing at or below it.
+TRIAGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class ConductorConfig:
     l3_aware: bool = True                 # False: the paper's local cache-aware variant
     overlap: Overlap = Overlap.NONE
     work_weight: float = 2.0              # 0: Algorithm 1 as written
+    triage: bool = True                   # admission off: late everywhere -> the longest queue
     inflight: bool = True                 # count prefixes sent and not yet reported (pending.py)
     kv_room: bool = True                  # a queue waits for room in the GPU pool (load.py)
     calibrate: bool = True                # scale predicted queues by the waits requests met
@@ -138,7 +147,7 @@ class Conductor:
             "conductor-predictive": replace(base, admission=Admission.PREDICTIVE),
             # Algorithm 1 as the paper writes it: none of the terms beyond it
             "conductor-alg1": replace(base, work_weight=0.0, inflight=False, kv_room=False,
-                                      calibrate=False),
+                                      calibrate=False, triage=False),
         }
 
     @staticmethod
@@ -149,6 +158,7 @@ class Conductor:
         early = replace(base, admission=Admission.EARLY)
         return {
             "conductor-no-work": replace(base, work_weight=0.0),
+            "conductor-no-triage": replace(base, triage=False),
             "conductor-no-inflight": replace(base, inflight=False),
             "conductor-no-kvroom": replace(base, kv_room=False),
             "conductor-no-calibrate": replace(base, calibrate=False),
@@ -250,6 +260,15 @@ class Conductor:
             return Rejection(RejectReason.NO_WORKER, 1.0, reasons="no prefill worker")
         gate, out = self.gate, self._expected_out(req)
         limits = gate.limits(req)
+        if gate.open and self.config.triage:
+            best = _prediction(scored[0])
+            if best.ttft_s > TRIAGE_SHARE * limits.ttft_s and limits.late(best):
+                s = max(scored, key=lambda s: s.queue_s)
+                p = _prediction(s)
+                decode = self._decode_place(p, req, now_s, out)
+                if decode is not None:
+                    return self._send(req, now_s, s, replace(p, tbt_s=decode[1]), decode[0], out,
+                                      late=best.ttft_s)
         tried = []
         for s in scored[:1 if gate.open else ADMISSION_CANDIDATES]:
             p = _prediction(s)
@@ -280,7 +299,8 @@ class Conductor:
         return min(self.out_tokens, req.max_new_tokens) if req.max_new_tokens else self.out_tokens
 
     def _send(self, req: Request, now: float, s: _Scored, p: Prediction, decode: Optional[str],
-              out: float) -> Decision:
+              out: float, late: Optional[float] = None) -> Decision:
+        """Dispatch; ``late``: the best TTFT, when the request was late everywhere (triage)."""
         # the GPU's work: the load and the compute (the L3 prefetch runs beside the queue)
         work = s.cost.load_s + s.cost.prefill_s
         if req.prompt_tokens > 0:
@@ -296,7 +316,10 @@ class Conductor:
             blocks = self._blocks[:self._usable(req, p.worker)]
             self.pending.add(p.worker, blocks)
         self._sent[req.rid] = _Sent(p.worker, decode, p, blocks, now, p.queue_s / self.queue_scale)
-        return Decision(p.worker, p, decode)
+        if late is None:
+            return Decision(p.worker, p, decode)
+        return Decision(p.worker, p, decode, f"late everywhere (best TTFT {late:.3f}s): "
+                        "the longest queue", late=True)
 
     def _decode_place(self, p: Prediction, req: Request, now: float,
                       out: float) -> Optional[tuple[Optional[str], float]]:

@@ -105,6 +105,8 @@ class Dispatcher:
         s = self.s
         p = d.prediction
         s.metrics.decisions.labels(d.worker).inc()
+        if d.late:
+            s.metrics.late.labels(d.worker).inc()
         s.metrics.predicted.labels(d.worker).observe(p.ttft_s)
         for tier, pages in p.pages.items():
             s.metrics.predicted_pages.labels(Tier(tier).name).inc(pages)

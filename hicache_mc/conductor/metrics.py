@@ -31,6 +31,8 @@ class Metrics:
                                  ["worker"], registry=r)
         self.rejections = Counter(P + "rejections", "Requests answered 429, by reason",
                                   ["reason"], registry=r)
+        self.late = Counter(P + "late", "Requests late on every worker, sent to the longest "
+                            "queue (admission off, triage on)", ["worker"], registry=r)
         self.retries = Counter(P + "retries", "Requests sent elsewhere after a worker failed them "
                                "before they started", ["worker"], registry=r)
         self.unroutable = Counter(P + "unroutable", "Requests routed on load alone: their prompt "

@@ -59,7 +59,7 @@ def make_router(config: ConductorServerConfig, l3):
     return Conductor(l3, ConductorConfig(
         ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
         admission=Admission(config.admission), slo_tolerance=config.slo_tolerance,
-        work_weight=config.work_weight, max_blocks=config.index_blocks))
+        work_weight=config.work_weight, triage=config.triage, max_blocks=config.index_blocks))
 
 
 def configured_workers(config: ConductorServerConfig) -> list[WorkerConfig]:

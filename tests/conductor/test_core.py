@@ -168,8 +168,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["route", "start", "finish", "report", 
 @given(OPS, st.sampled_from([0.0, 0.5]), st.integers(2, 5))
 def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
     """No events, no L3, no prefix shared with a request in flight: the scores differ by the
-    queue alone, so the choice is the worker with the least predicted queue."""
-    c = Conductor(None, ConductorConfig(work_weight=work_weight))
+    queue alone, so the choice is the worker with the least predicted queue (triage off: it
+    sends a request late everywhere to the longest queue, tested above)."""
+    c = Conductor(None, ConductorConfig(work_weight=work_weight, triage=False))
     names = [f"w{i}" for i in range(n)]
     for w in names:
         c.add_worker(spec(w))
@@ -194,3 +195,30 @@ def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
             c.observe_load(LoadReport(names[pick % n], now, waiting_tokens=size * 50))
         else:
             now += size / 20
+
+
+
+def test_a_request_late_everywhere_goes_to_the_longest_queue():
+    """Admission off, SLO 1 s. a is 2 s deep, b 3 s: a new request is late on either (2.1 s
+    at best), so it goes behind b's longer queue, where it holds up no request that could
+    still be on time. Without triage the best TTFT wins, as in Algorithm 1."""
+    for triage, expect in ((True, "b"), (False, "a")):
+        c = conductor([spec("a"), spec("b")], ttft_slo_s=1.0, triage=triage, inflight=False)
+        c.route(request("qa", prompt=2000, chain=pages(20, "qa"), ttft_slo_s=9.0), 0.0)
+        c.route(request("qb", prompt=3000, chain=pages(30, "qb"), ttft_slo_s=9.0), 0.0)
+        d = c.route(request("r", prompt=100, chain=pages(1, "r")), 0.0)
+        assert isinstance(d, Decision) and d.worker == expect and d.late is triage
+        assert d.prediction.queue_s == pytest.approx(3.0 if triage else 2.0)
+
+
+def test_a_request_predicted_on_time_or_under_half_its_slo_keeps_its_best_worker():
+    """One worker is 3 s deep, the other idle, SLO 1 s. 0.8 s on the idle one meets the SLO:
+    it goes there. With recent TTFTs 10x their predictions, 0.3 s is judged (0.3 + 0.1) x 10
+    - 0.1 = 3.9 s, late; but a prediction under half the SLO is trusted: the idle one again.
+    0.6 s is judged late and not trusted: the busy one."""
+    for prompt, error, to_busy in ((800, 1.0, False), (300, 10.0, False), (600, 10.0, True)):
+        c = conductor([spec("a"), spec("b")], ttft_slo_s=1.0, inflight=False)
+        busy = c.route(request("q", prompt=3000, chain=pages(30, "q"), ttft_slo_s=9.0), 0.0).worker
+        c.gate.error = error
+        d = c.route(request("r", prompt=prompt, chain=pages(prompt // PT, "r")), 0.0)
+        assert (d.worker == busy) is to_busy and d.late is to_busy

@@ -40,7 +40,7 @@ def test_a_turn_follows_its_queued_parent_instead_of_recomputing_elsewhere():
     (FCFS); on b nothing has them (no event yet, not in the L3)."""
     chain = pages(20)
     for inflight in (True, False):
-        c = conductor([spec("a"), spec("b")], inflight=inflight)
+        c = conductor([spec("a"), spec("b")], inflight=inflight, ttft_slo_s=10.0)   # none late
         assert c.route(request("parent", prompt=1001, chain=chain[:10]), 0.0).worker == "a"
         assert c.route(request("other", prompt=1000, chain=pages(10, "o")), 0.0).worker == "b"
         preds = {p.worker: p for p in c.predict(request("child", prompt=2000, chain=chain), 0.0)}
