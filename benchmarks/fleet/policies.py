@@ -1,16 +1,18 @@
 """Every routing policy the fleet benchmark compares, by name: the baselines of this folder
-and the Conductor's own variants (``hicache_mc.conductor.core.Conductor.variants()``, when
-the core is installed). A factory builds a fresh router for one run from the run's L3 view,
-the performance model and a seed.
+and the Conductor's own configurations (``core_configs``). A factory builds a fresh router for
+one run from the run's L3 view, the performance model and a seed.
 
 The admission control takes its slack after an ``@``: ``least_load+cap@1.5`` rejects past
 1.5 x the SLO (plain ``least_load+cap``: 1.0). The core's ablations
-(``Conductor.ablations()``: conductor-no-work, ...) are selectable by name, not in "all"."""
+(``core_configs(ablations=True)``: conductor-no-work, ...) are selectable by name, not in "all"."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from hicache_mc.conductor import api
+from hicache_mc.conductor.core import Admission, Conductor, ConductorConfig
+from hicache_mc.conductor.model import Overlap
 from hicache_mc.conductor.perf import PerfModel
 
 from .baselines import LeastLoadRouter, LengthCapRouter, RandomRouter, RoundRobinRouter
@@ -33,19 +35,42 @@ BASELINES: dict[str, Factory] = {
 AFFINITY = ("cache_aware", "dynamo")
 
 
-def core_policies(ablations: bool = False) -> dict[str, Factory]:
-    """The Conductor's variants (with ``ablations``: its ablations instead, each the default
-    with one term beyond Algorithm 1 removed), or none when the core is not there yet."""
-    try:
-        from hicache_mc.conductor.core import Conductor
-    except ImportError:
-        return {}
+def core_configs(ablations: bool = False) -> dict[str, ConductorConfig]:
+    """The Conductor's named configurations: its variants, or with ``ablations`` the default
+    with one term beyond Algorithm 1 taken out (or, for overlap, put in): what each is
+    worth (docs/conductor.md)."""
+    base = ConductorConfig()
+    if not ablations:
+        return {
+            "conductor": base,
+            "conductor-local": replace(base, l3_aware=False),
+            "conductor-early": replace(base, admission=Admission.EARLY),
+            "conductor-predictive": replace(base, admission=Admission.PREDICTIVE),
+            # Algorithm 1 as the paper writes it: none of the terms beyond it
+            "conductor-alg1": replace(base, work_weight=0.0, inflight=False, kv_room=False,
+                                      calibrate=False, triage=False),
+        }
+    early = replace(base, admission=Admission.EARLY)
+    return {
+        "conductor-no-work": replace(base, work_weight=0.0),
+        "conductor-no-triage": replace(base, triage=False),
+        "conductor-no-inflight": replace(base, inflight=False),
+        "conductor-no-kvroom": replace(base, kv_room=False),
+        "conductor-no-calibrate": replace(base, calibrate=False),
+        "conductor-overlap": replace(base, overlap=Overlap.HOST),
+        "conductor-early-no-cascade": replace(early, cascade_tolerance=0.0),
+        "conductor-early-no-quantile": replace(early, error_quantile=0.0),
+        "conductor-early-no-kvroom": replace(early, kv_room=False),
+        "conductor-early-no-calibrate": replace(early, calibrate=False),
+    }
 
+
+def core_policies(ablations: bool = False) -> dict[str, Factory]:
+    """``core_configs`` as router factories."""
     def factory(config):
         return lambda view, perf, seed: Conductor(l3=view, config=config)
 
-    configs = Conductor.ablations() if ablations else Conductor.variants()
-    return {name: factory(config) for name, config in configs.items()}
+    return {name: factory(config) for name, config in core_configs(ablations).items()}
 
 
 def all_policies() -> dict[str, Factory]:

@@ -136,39 +136,6 @@ class Conductor:
         self._work = self.prefill_model.predict(1000, 0)          # fleet GPU seconds per request
         self.queue_scale = 1.0        # measured wait / predicted queue, recent requests
 
-    @staticmethod
-    def variants() -> dict[str, ConductorConfig]:
-        """Named configurations for comparisons (the fleet simulator's policy list)."""
-        base = ConductorConfig()
-        return {
-            "conductor": base,
-            "conductor-local": replace(base, l3_aware=False),
-            "conductor-early": replace(base, admission=Admission.EARLY),
-            "conductor-predictive": replace(base, admission=Admission.PREDICTIVE),
-            # Algorithm 1 as the paper writes it: none of the terms beyond it
-            "conductor-alg1": replace(base, work_weight=0.0, inflight=False, kv_room=False,
-                                      calibrate=False, triage=False),
-        }
-
-    @staticmethod
-    def ablations() -> dict[str, ConductorConfig]:
-        """The default with one term beyond Algorithm 1 taken out (or, for overlap, put in):
-        what each is worth, measured in the fleet simulator (docs/conductor.md)."""
-        base = ConductorConfig()
-        early = replace(base, admission=Admission.EARLY)
-        return {
-            "conductor-no-work": replace(base, work_weight=0.0),
-            "conductor-no-triage": replace(base, triage=False),
-            "conductor-no-inflight": replace(base, inflight=False),
-            "conductor-no-kvroom": replace(base, kv_room=False),
-            "conductor-no-calibrate": replace(base, calibrate=False),
-            "conductor-overlap": replace(base, overlap=Overlap.HOST),
-            "conductor-early-no-cascade": replace(early, cascade_tolerance=0.0),
-            "conductor-early-no-quantile": replace(early, error_quantile=0.0),
-            "conductor-early-no-kvroom": replace(early, kv_room=False),
-            "conductor-early-no-calibrate": replace(early, calibrate=False),
-        }
-
     # ------------------------------------------------------------ the fleet
 
     def add_worker(self, spec: WorkerSpec) -> None:
