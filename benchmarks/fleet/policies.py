@@ -37,8 +37,8 @@ AFFINITY = ("cache_aware", "dynamo")
 
 def core_configs(ablations: bool = False) -> dict[str, ConductorConfig]:
     """The Conductor's named configurations: its variants, or with ``ablations`` the default
-    with one term beyond Algorithm 1 taken out (or, for overlap, put in): what each is
-    worth (docs/conductor.md)."""
+    with one term beyond Algorithm 1 taken out (or, for overlap, put in) and triage's share
+    swept: what each is worth (docs/conductor.md)."""
     base = ConductorConfig()
     if not ablations:
         return {
@@ -54,6 +54,8 @@ def core_configs(ablations: bool = False) -> dict[str, ConductorConfig]:
     return {
         "conductor-no-work": replace(base, work_weight=0.0),
         "conductor-no-triage": replace(base, triage=False),
+        **{f"conductor-triage-{share}": replace(base, triage_share=share)
+           for share in (0.0, 0.3, 0.7, 1.0)},
         "conductor-no-inflight": replace(base, inflight=False),
         "conductor-no-kvroom": replace(base, kv_room=False),
         "conductor-no-calibrate": replace(base, calibrate=False),

@@ -23,7 +23,7 @@ worker the score is the TTFT (Algorithm 1 as written, ``work_weight = 0``) and p
 it keeps a prefix where it is cheapest. Ties go to the smaller decode batch, then in turn.
 
 Triage (admission off): a request late on every worker (its best TTFT, judged at the recent
-prediction errors, over its SLO, and over ``TRIAGE_SHARE`` of it as predicted) goes to the
+prediction errors, over its SLO, and over ``triage_share`` of it as predicted) goes to the
 longest queue: late anywhere, there it holds up no request that could still be on time.
 
 Admission (admission.py): ``OFF``, ``EARLY`` (the predicted TTFT and the current decode
@@ -57,10 +57,6 @@ UNQUEUED_FRACTION = 0.05      # a TTFT is a prefill sample if its queue was pred
 CALIBRATE_MIN_QUEUE_S = 0.05  # queues shorter than this say little about the queue model's scale
 MAX_QUEUE_SCALE = 4.0         # one request moves the scale by at most this ratio's share
 QUEUE_SCALE_EMA = 0.05        # geometric: the last ~20 queued requests set the scale
-# Triage trusts a prediction under this share of the SLO whatever the recent errors. Swept in
-# the fleet simulator (0 to 1; docs/conductor.md): 0.5 is at or near the best past the knee
-# on both traces and costs nothing at or below it.
-TRIAGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,9 @@ class ConductorConfig:
     overlap: Overlap = Overlap.NONE
     work_weight: float = 2.0              # 0: Algorithm 1 as written
     triage: bool = True                   # admission off: late everywhere -> the longest queue
+    # triage trusts a prediction under this share of the SLO whatever the recent errors (the
+    # ablations sweep it: docs/conductor.md)
+    triage_share: float = 0.5
     inflight: bool = True                 # count prefixes sent and not yet reported (pending.py)
     kv_room: bool = True                  # a queue waits for room in the GPU pool (load.py)
     calibrate: bool = True                # scale predicted queues by the waits requests met
@@ -229,7 +228,7 @@ class Conductor:
         limits = gate.limits(req)
         if gate.open and self.config.triage:
             best = _prediction(scored[0])
-            if best.ttft_s > TRIAGE_SHARE * limits.ttft_s and limits.late(best):
+            if best.ttft_s > self.config.triage_share * limits.ttft_s and limits.late(best):
                 s = max(scored, key=lambda s: s.queue_s)
                 p = _prediction(s)
                 decode = self._decode_place(p, req, now_s, out)
