@@ -31,7 +31,7 @@ import zmq
 from .. import protocol as P
 from ..auth import issue, secure_client
 from ..config import NodeConfig
-from ..link import Link
+from ..link import WARN_EVERY_S, Link
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class MasterLink:
         self._next_heartbeat = 0.0
         self._next_register = 0.0
         self._last_reply = time.monotonic()
+        self._refusals: dict[str, tuple[float, int]] = {}   # code -> (last logged, since then)
 
     @property
     def registered(self) -> bool:
@@ -172,7 +173,7 @@ class MasterLink:
                 self._announced, self.epoch = False, None   # tick registers again
                 self._next_register = 0.0
         elif isinstance(msg, P.ErrorReply):
-            log.warning("master refused a request: %s %s", msg.code, msg.message)
+            self._refused(msg)
             if req_id >= self._register_req:
                 # the registration, a heartbeat or a report the master did not take, whatever
                 # the reason (it does not know the node, one before was lost, a limit, a
@@ -184,6 +185,17 @@ class MasterLink:
             w = pending[1]
             self._reply(w.ident, w.req_id, w.ok if isinstance(msg, P.OkReply) else w.failed)
         return quotas
+
+    def _refused(self, msg: P.ErrorReply) -> None:
+        """Log a refusal: each code once, then once every WARN_EVERY_S with the count."""
+        now = time.monotonic()
+        said, since = self._refusals.get(msg.code, (-WARN_EVERY_S, 0))
+        if now - said < WARN_EVERY_S:
+            self._refusals[msg.code] = (said, since + 1)
+            return
+        self._refusals[msg.code] = (now, 0)
+        more = f" ({since} more since it was last said)" if since else ""
+        log.warning("master refused a request: %s %s%s", msg.code, msg.message, more)
 
     def tick(self, now: float, inventory: Callable[[], list], stats: Callable[[], dict]) -> None:
         """Register when not registered, heartbeat when due, fail waiters past their time.
