@@ -22,9 +22,10 @@ every request that will queue behind it, about ``queue / mean work`` of them, so
 worker the score is the TTFT (Algorithm 1 as written, ``work_weight = 0``) and past the knee
 it keeps a prefix where it is cheapest. Ties go to the smaller decode batch, then in turn.
 
-Triage (admission off): a request late on every worker (its best TTFT, judged at the recent
-prediction errors, over its SLO, and over ``triage_share`` of it as predicted) goes to the
-longest queue: late anywhere, there it holds up no request that could still be on time.
+Triage (admission off): a request the queues make late on every worker (its best TTFT, judged
+at the recent prediction errors, over its SLO, and over ``triage_share`` of it as predicted;
+on an idle worker it would be on time) goes to the longest queue: late anywhere, there it
+holds up no request that could still be on time.
 
 Admission (admission.py): ``OFF``, ``EARLY`` (the predicted TTFT and the current decode
 batch's TBT against the request's SLOs), ``PREDICTIVE`` (the TBT of the decode batch predicted
@@ -227,8 +228,11 @@ class Conductor:
         gate, out = self.gate, self._expected_out(req)
         limits = gate.limits(req)
         if gate.open and self.config.triage:
-            best = _prediction(scored[0])
-            if best.ttft_s > self.config.triage_share * limits.ttft_s and limits.late(best):
+            best, c = _prediction(scored[0]), scored[0].cost
+            # late because of the queues: on time on an idle worker, as predicted
+            queued = c.l3_s + c.load_s + c.prefill_s <= limits.ttft_s
+            if queued and best.ttft_s > self.config.triage_share * limits.ttft_s and \
+                    limits.late(best):
                 s = max(scored, key=lambda s: s.queue_s)
                 p = _prediction(s)
                 decode = self._decode_place(p, req, now_s, out)

@@ -222,3 +222,13 @@ def test_a_request_predicted_on_time_or_under_half_its_slo_keeps_its_best_worker
         c.gate.error = error
         d = c.route(request("r", prompt=prompt, chain=pages(prompt // PT, "r")), 0.0)
         assert (d.worker == busy) is to_busy and d.late is to_busy
+
+
+def test_a_request_too_long_for_its_slo_even_on_an_idle_worker_is_not_triaged():
+    """Triage is for requests the queues make late. A 1,500-token prompt takes 1.5 s on an
+    idle worker, past its 1 s SLO whatever the router does: it keeps its best worker (the
+    idle one) instead of joining the 3 s queue."""
+    c = conductor([spec("a"), spec("b")], ttft_slo_s=1.0, inflight=False)
+    busy = c.route(request("q", prompt=3000, chain=pages(30, "q"), ttft_slo_s=9.0), 0.0).worker
+    d = c.route(request("r", prompt=1500, chain=pages(15, "r")), 0.0)
+    assert d.worker != busy and not d.late
