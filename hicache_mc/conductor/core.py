@@ -40,6 +40,7 @@ With ``l3_aware=False`` the core ignores the shared L3 (the paper's local cache-
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -203,12 +204,13 @@ class Conductor:
             self.prefill_model.observe(new, cached, f.prefill_s)
         elif p.queue_s <= UNQUEUED_FRACTION * f.ttft_s:
             self.prefill_model.observe(new, cached, f.ttft_s - p.queue_s - p.fetch_s)
-        self.gate.observe(p.ttft_s, f.ttft_s)
-        if self.config.calibrate and sent.raw_queue_s > CALIBRATE_MIN_QUEUE_S:
-            compute = f.prefill_s if f.prefill_s is not None else p.prefill_s
-            waited = f.ttft_s - compute - p.fetch_s
-            ratio = min(MAX_QUEUE_SCALE, max(1 / MAX_QUEUE_SCALE, waited / sent.raw_queue_s))
-            self.queue_scale *= (ratio / self.queue_scale) ** QUEUE_SCALE_EMA
+        if math.isfinite(f.ttft_s):         # NaN: an answer without timings, nothing to judge by
+            self.gate.observe(p.ttft_s, f.ttft_s)
+            if self.config.calibrate and sent.raw_queue_s > CALIBRATE_MIN_QUEUE_S:
+                compute = f.prefill_s if f.prefill_s is not None else p.prefill_s
+                waited = f.ttft_s - compute - p.fetch_s
+                ratio = min(MAX_QUEUE_SCALE, max(1 / MAX_QUEUE_SCALE, waited / sent.raw_queue_s))
+                self.queue_scale *= (ratio / self.queue_scale) ** QUEUE_SCALE_EMA
         if decoded is not None and decoded.started_s is not None and f.completion_tokens > 1:
             tbt = (f.at_s - decoded.started_s) / (f.completion_tokens - 1)
             self.decode_model.observe(decoded.batch_at_start + 1,

@@ -232,3 +232,19 @@ def test_a_request_too_long_for_its_slo_even_on_an_idle_worker_is_not_triaged():
     busy = c.route(request("q", prompt=3000, chain=pages(30, "q"), ttft_slo_s=9.0), 0.0).worker
     d = c.route(request("r", prompt=1500, chain=pages(15, "r")), 0.0)
     assert d.worker != busy and not d.late
+
+
+def test_an_unknown_ttft_teaches_neither_the_gate_nor_the_queue_scale():
+    """A non-streamed answer without SGLang's timing has no TTFT (NaN): the gate's error and
+    the queue calibration ignore it, so admission still refuses a request 5x over its SLO."""
+    import math
+    c = conductor([spec("a")], inflight=False, admission=Admission.EARLY, ttft_slo_s=9.0,
+                  error_quantile=0.95)
+    for i in range(70):
+        c.observe_load(LoadReport("a", float(i), waiting_tokens=2000))
+        d = c.route(request(f"r{i}", prompt=1000, chain=pages(10, f"r{i}")), float(i))
+        assert isinstance(d, Decision)
+        c.observe_finished(Finished("a", f"r{i}", i + 1.0, 1000, 10, {}, math.nan, ok=True))
+    assert c.gate.error == 1.0 and c.queue_scale == 1.0
+    r = c.route(request("late", prompt=5000, chain=pages(50, "late"), ttft_slo_s=1.0), 80.0)
+    assert isinstance(r, Rejection)
