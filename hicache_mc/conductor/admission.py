@@ -38,11 +38,11 @@ class Limits(NamedTuple):
     error: float = 1.0            # the predicted TTFT is judged as (ttft + c) x error - c
 
     def met(self, p: Prediction) -> bool:
-        return not self.late(p) and p.tbt_s <= self.tbt_s
+        return not self.late(p.ttft_s) and p.tbt_s <= self.tbt_s
 
-    def late(self, p: Prediction) -> bool:
-        """The predicted TTFT, judged at the recent errors, exceeds the TTFT SLO."""
-        return (p.ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S > self.ttft_s
+    def late(self, ttft_s: float) -> bool:
+        """A predicted TTFT, judged at the recent errors, exceeds the TTFT SLO."""
+        return (ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S > self.ttft_s
 
 
 class Gate:

@@ -22,10 +22,10 @@ every request that will queue behind it, about ``queue / mean work`` of them, so
 worker the score is the TTFT (Algorithm 1 as written, ``work_weight = 0``) and past the knee
 it keeps a prefix where it is cheapest. Ties go to the smaller decode batch, then in turn.
 
-Triage (admission off): a request the queues make late on every worker (its best TTFT, judged
-at the recent prediction errors, over its SLO, and over ``triage_share`` of it as predicted;
-on an idle worker it would be on time) goes to the longest queue: late anywhere, there it
-holds up no request that could still be on time.
+Triage (admission off): a request the queues make late on every worker (its fastest TTFT,
+judged at the recent prediction errors, over its SLO, and over ``triage_share`` of it as
+predicted; on an idle worker it would be on time) goes to the longest queue: late anywhere,
+there it holds up no request that could still be on time.
 
 Admission (admission.py): ``OFF``, ``EARLY`` (the predicted TTFT and the current decode
 batch's TBT against the request's SLOs), ``PREDICTIVE`` (the TBT of the decode batch predicted
@@ -229,18 +229,15 @@ class Conductor:
             return Rejection(RejectReason.NO_WORKER, 1.0, reasons="no prefill worker")
         gate, out = self.gate, self._expected_out(req)
         limits = gate.limits(req)
-        if gate.open and self.config.triage:
-            best, c = _prediction(scored[0]), scored[0].cost
-            # late because of the queues: on time on an idle worker, as predicted
-            queued = c.l3_s + c.load_s + c.prefill_s <= limits.ttft_s
-            if queued and best.ttft_s > self.config.triage_share * limits.ttft_s and \
-                    limits.late(best):
-                s = max(scored, key=lambda s: s.queue_s)
-                p = _prediction(s)
-                decode = self._decode_place(p, req, now_s, out)
-                if decode is not None:
-                    return self._send(req, now_s, s, replace(p, tbt_s=decode[1]), decode[0], out,
-                                      late=best.ttft_s)
+        late = _late_by_queues(scored, limits, self.config.triage_share) \
+            if gate.open and self.config.triage else None
+        if late is not None:
+            s = max(scored, key=lambda s: s.queue_s)
+            p = _prediction(s)
+            decode = self._decode_place(p, req, now_s, out)
+            if decode is not None:
+                return self._send(req, now_s, s, replace(p, tbt_s=decode[1]), decode[0], out,
+                                  late=late)
         tried = []
         for s in scored[:1 if gate.open else ADMISSION_CANDIDATES]:
             p = _prediction(s)
@@ -384,6 +381,17 @@ class _Cost(NamedTuple):
     host: int
     l3: int
     recompute: int                # pages held somewhere but recomputed
+
+
+def _late_by_queues(scored: list[_Scored], limits, share: float) -> Optional[float]:
+    """The request's fastest TTFT when the queues make it late on every worker (judged late,
+    and over ``share`` of its SLO as predicted, while on an idle worker it would be on
+    time); else None."""
+    fastest = min(s.queue_s + max(0.0, s.cost.l3_s - s.queue_s) + s.cost.load_s + s.cost.prefill_s
+                  for s in scored)
+    idle = min(s.cost.l3_s + s.cost.load_s + s.cost.prefill_s for s in scored)
+    slo = limits.ttft_s
+    return fastest if idle <= slo and fastest > share * slo and limits.late(fastest) else None
 
 
 def _prediction(s: _Scored) -> Prediction:

@@ -165,12 +165,14 @@ OPS = st.lists(st.tuples(st.sampled_from(["route", "start", "finish", "report", 
 
 
 @settings(max_examples=150, deadline=None)
-@given(OPS, st.sampled_from([0.0, 0.5]), st.integers(2, 5))
-def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n):
+@given(OPS, st.sampled_from([0.0, 0.5]), st.integers(2, 5), st.booleans())
+def test_with_every_cache_empty_the_choice_is_least_load(ops, work_weight, n, triage):
     """No events, no L3, no prefix shared with a request in flight: the scores differ by the
-    queue alone, so the choice is the worker with the least predicted queue (triage off: it
-    sends a request late everywhere to the longest queue, tested above)."""
-    c = Conductor(None, ConductorConfig(work_weight=work_weight, triage=False))
+    queue alone, so the choice is the worker with the least predicted queue. Triage, which
+    sends a request the queues make late everywhere to the longest queue (tested below), is
+    on with SLOs no request misses, off with the default SLO."""
+    c = Conductor(None, ConductorConfig(work_weight=work_weight, triage=triage,
+                                        ttft_slo_s=1e6 if triage else 2.0))
     names = [f"w{i}" for i in range(n)]
     for w in names:
         c.add_worker(spec(w))
@@ -234,6 +236,22 @@ def test_a_request_too_long_for_its_slo_even_on_an_idle_worker_is_not_triaged():
     assert d.worker != busy and not d.late
 
 
+def test_a_request_on_time_on_some_worker_is_not_triaged_though_another_scores_better():
+    """SLO 1.15 s. a holds the 6-page prefix behind a 1.2 s queue (1.201 s); b has no cache and
+    a 0.5 s queue (1.101 s: on time); c is 3 s deep. The work term makes a score best, yet
+    the request is on time on b: it is not late everywhere, and stays off c's queue."""
+    from hicache_mc.conductor.api import LoadReport
+    c = conductor([spec("a"), spec("b"), spec("c")], ttft_slo_s=1.15, inflight=False)
+    chain = pages(6, "r")
+    hold(c, "a", Tier.GPU, chain, 6)
+    for w, tokens in (("a", 1200), ("b", 500), ("c", 3000)):
+        c.observe_load(LoadReport(w, 0.0, waiting_tokens=tokens))
+    ttft = {p.worker: p.ttft_s for p in c.predict(request("r", prompt=601, chain=chain), 0.0)}
+    assert ttft == pytest.approx({"a": 1.201, "b": 1.101, "c": 3.601})
+    d = c.route(request("r", prompt=601, chain=chain), 0.0)
+    assert d.worker != "c" and not d.late
+
+
 def test_an_unknown_ttft_teaches_neither_the_gate_nor_the_queue_scale():
     """A non-streamed answer without SGLang's timing has no TTFT (NaN): the gate's error and
     the queue calibration ignore it, so admission still refuses a request 5x over its SLO."""
@@ -248,3 +266,15 @@ def test_an_unknown_ttft_teaches_neither_the_gate_nor_the_queue_scale():
     assert c.gate.error == 1.0 and c.queue_scale == 1.0
     r = c.route(request("late", prompt=5000, chain=pages(50, "late"), ttft_slo_s=1.0), 80.0)
     assert isinstance(r, Rejection)
+
+
+def test_the_servers_settings_reach_the_core():
+    """``triage = false`` (and the gate's settings) in the conductor's config file reach the
+    core the server builds."""
+    from hicache_mc.conductor.server import make_router
+    from hicache_mc.config import ConductorServerConfig
+    for triage in (True, False):
+        core = make_router(ConductorServerConfig(triage=triage, admission="early", work_weight=1.0),
+                           None)
+        assert core.config.triage is triage and core.config.admission is Admission.EARLY
+        assert core.config.work_weight == 1.0
