@@ -60,12 +60,13 @@ def test_own_writes_are_answered_for_a_while_then_forgotten(monkeypatch):
     import numpy as np
 
     from hicache_mc import residency as R
-    from hicache_mc.client import view as V
+    from hicache_mc.client import own_writes as V
+    from hicache_mc.client.digests import prefixes
     now = [1000.0]
     monkeypatch.setattr(V.time, "monotonic", lambda: now[0])
     own = V.OwnWrites()
     keys = ["ns@t/a/k", "ns@t/b/k"]
-    q = V.prefixes(R.digests(keys + ["ns@t/c/k"]))
+    q = prefixes(R.digests(keys + ["ns@t/c/k"]))
     own.add(keys)
     assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
     now[0] += V.OWN_TTL_S / 2 + 0.1             # no write since: still answered ...
@@ -76,6 +77,8 @@ def test_own_writes_are_answered_for_a_while_then_forgotten(monkeypatch):
     now[0] += V.OWN_TTL_S / 2 + 0.1
     own.add(keys[1:])                           # a new generation; the first still answers
     assert own.add_to(np.zeros(3, bool), q).tolist() == [True, True, False]
+    own.forget(R.digests(keys[1:]))             # removed from the store: no longer answered
+    assert own.add_to(np.zeros(3, bool), q).tolist() == [True, False, False]
     own.clear()
     assert own.add_to(np.zeros(3, bool), q).tolist() == [False, False, False]
 

@@ -17,11 +17,11 @@ Consistency. The view says "stored" for a key the master had on a live node when
 update, and a get still reads and checks the bytes, so a stale "stored" costs one miss, never a
 wrong byte. "Not stored" may be stale by an update on its way (another client's commit), so
 the client asks the master for those keys (``contains_cached`` does not). Read-your-writes:
-the keys this client stored in the last OWN_TTL_S (written, or found stored by its Place)
-count as stored too (``OwnWrites``), so a writer's probes of its own commits need no round
-trip, as an SGLang backend that backs pages up while it prefetches others would otherwise pay
-on every probe (a key evicted meanwhile: one miss). A clear by this client takes its
-namespaces out of sync until a new snapshot.
+the keys this client stored in the last 5-10 s (written, or found stored by its Place) count
+as stored too (``own_writes.py``) until an update removes them, so a writer's probes of its
+own commits need no round trip, as an SGLang backend that backs pages up while it prefetches
+others would otherwise pay on every probe (a key evicted before the view hears of it: one
+miss). A clear by this client takes its namespaces out of sync until a new snapshot.
 
 All subscriber work runs on one background thread; callers only read (no lock: see
 client/digests.py), so a lookup never waits for it.
@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import zmq
 
 from .. import protocol as P
@@ -44,14 +43,13 @@ from ..errors import HicacheError, RemoteError
 from ..keydigest import key_prefixes, page_prefixes
 from ..link import Link
 from ..rpc import Channel, host_of
-from .digests import DigestSet, prefixes
+from .digests import DigestSet
+from .own_writes import OwnWrites
 
 log = logging.getLogger(__name__)
 
 STALE_BEATS = 3         # a namespace silent for this many beats is out of sync ...
 STALE_MIN_S = 1.0       # ... and for at least this long (short beats on a loaded host)
-OWN_TTL_S = 10.0        # own writes answered as stored for 5-10 s: the view hears of them in ms
-OWN_MAX = 1 << 20       # own writes held per generation (two generations)
 RETRY_S = 0.5           # a failed snapshot is retried after this ...
 RETRY_MAX_S = 8.0       # ... doubling up to this while they keep failing
 REFUSED_RETRY_S = 60.0  # a snapshot refused (forbidden, too large, no publisher) is asked again
@@ -340,6 +338,7 @@ class ResidencyView:
             sp.nodes = dict(u.nodes)
         else:
             sp.keys.apply(u.added, u.removed)
+            self.own.forget(u.removed)
             sp.seq = u.seq
             sp.nodes.update(u.nodes)
         sp.heard = time.monotonic()
@@ -364,45 +363,3 @@ def _runs(keys: list[str]) -> list[list[str]]:
     return runs
 
 
-class OwnWrites:
-    """The 8-byte digest prefixes of the keys this client stored lately, in generations that take
-    writes for OWN_TTL_S / 2 and answer for OWN_TTL_S / 2 more (a key is held 5-10 s, whether or
-    not the client writes again). Writers (put threads) take a lock; readers take none: the
-    generations are swapped in one assignment."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._rotate_at = time.monotonic() + OWN_TTL_S / 2
-        # (current, answered until, previous, answered until)
-        self._gens: tuple = (set(), self._rotate_at + OWN_TTL_S / 2, set(), 0.0)
-
-    def add(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        new = prefixes(R.digests(keys)).tolist()
-        with self._lock:
-            now = time.monotonic()
-            cur, cur_until = self._gens[0], self._gens[1]
-            if now >= self._rotate_at or len(cur) + len(new) > OWN_MAX:
-                self._rotate_at = now + OWN_TTL_S / 2
-                self._gens = (set(), self._rotate_at + OWN_TTL_S / 2, cur, now + OWN_TTL_S / 2)
-            self._gens[0].update(new)
-
-    def add_to(self, hit, q):
-        """``hit`` (a bool array over the prefixes ``q``) with this client's writes set."""
-        cur, cur_until, old, old_until = self._gens
-        if not cur and not old:     # a client that wrote nothing lately
-            return hit
-        now = time.monotonic()
-        live = [g for g, until in ((cur, cur_until), (old, old_until)) if g and now < until]
-        if live and not hit.all():      # only the view's misses are looked up here
-            for i in np.flatnonzero(~hit).tolist():
-                p = int(q[i])
-                if any(p in g for g in live):
-                    hit[i] = True
-        return hit
-
-    def clear(self) -> None:
-        with self._lock:
-            self._rotate_at = time.monotonic() + OWN_TTL_S / 2
-            self._gens = (set(), self._rotate_at + OWN_TTL_S / 2, set(), 0.0)

@@ -177,6 +177,19 @@ def test_a_writer_reads_its_own_writes_while_its_view_lags(shared_cluster, ns):
             view._apply = real
 
 
+def test_a_writers_own_write_removed_by_another_client_leaves_its_answers(shared_cluster, ns):
+    """The writer's own writes count as stored for 5-10 s, but not past the update that
+    removes them: once its view applies another client's clear, its probe misses."""
+    with StoreClient(shared_cluster.master, view="on") as w, \
+            StoreClient(shared_cluster.master) as other:
+        assert w.put(key("gone", ns), b"x")
+        follow(w, ns)
+        assert w.batch_exists([key("gone", ns)]) == 1
+        assert other.clear(ns + "/") == 1
+        wait(lambda: w.batch_exists([key("gone", ns)]) == 0, timeout_s=3.0,
+             what="the writer's probe of its cleared write")
+
+
 def test_another_clients_commit_on_its_way_to_the_view_is_no_miss(shared_cluster, ns):
     """Another client's commit that the view has not applied yet (the update on its way: the
     view hears the master but applies nothing, as one whose thread is starved of CPU) is
