@@ -44,6 +44,12 @@ class Limits(NamedTuple):
         """A predicted TTFT, judged at the recent errors, exceeds the TTFT SLO."""
         return (ttft_s + ERROR_FLOOR_S) * self.error - ERROR_FLOOR_S > self.ttft_s
 
+    def queued_late(self, fastest_s: float, idle_s: float, share: float) -> bool:
+        """Triage (admission off): the queues make a request late on every worker. Its
+        fastest TTFT is judged late and is over ``share`` of the SLO as predicted, while on
+        an idle worker (``idle_s``: its fetch and prefill) it would be on time."""
+        return idle_s <= self.ttft_s and fastest_s > share * self.ttft_s and self.late(fastest_s)
+
 
 class Gate:
     """See the module docstring."""

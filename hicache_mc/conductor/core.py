@@ -111,6 +111,7 @@ class _Scored(NamedTuple):
     turn: int
     worker: str
     queue_s: float
+    ttft_s: float                 # the predicted TTFT there
     cost: "_Cost"
 
 
@@ -229,9 +230,10 @@ class Conductor:
             return Rejection(RejectReason.NO_WORKER, 1.0, reasons="no prefill worker")
         gate, out = self.gate, self._expected_out(req)
         limits = gate.limits(req)
-        late = _late_by_queues(scored, limits, self.config.triage_share) \
-            if gate.open and self.config.triage else None
-        if late is not None:
+        late = min(s.ttft_s for s in scored) if gate.open and self.config.triage else None
+        if late is not None and limits.queued_late(
+                late, min(s.cost.l3_s + s.cost.load_s + s.cost.prefill_s for s in scored),
+                self.config.triage_share):
             s = max(scored, key=lambda s: s.queue_s)
             p = _prediction(s)
             decode = self._decode_place(p, req, now_s, out)
@@ -349,7 +351,7 @@ class Conductor:
                     best, ttft = c, t
             work = best.load_s + best.prefill_s
             out.append(_Scored(ttft + ww * queue * work, len(load.running), (w.pos - turn) % n,
-                               w.name, queue, best))
+                               w.name, queue, ttft, best))
         out.sort()
         return out
 
@@ -383,23 +385,11 @@ class _Cost(NamedTuple):
     recompute: int                # pages held somewhere but recomputed
 
 
-def _late_by_queues(scored: list[_Scored], limits, share: float) -> Optional[float]:
-    """The request's fastest TTFT when the queues make it late on every worker (judged late,
-    and over ``share`` of its SLO as predicted, while on an idle worker it would be on
-    time); else None."""
-    fastest = min(s.queue_s + max(0.0, s.cost.l3_s - s.queue_s) + s.cost.load_s + s.cost.prefill_s
-                  for s in scored)
-    idle = min(s.cost.l3_s + s.cost.load_s + s.cost.prefill_s for s in scored)
-    slo = limits.ttft_s
-    return fastest if idle <= slo and fastest > share * slo and limits.late(fastest) else None
-
-
 def _prediction(s: _Scored) -> Prediction:
     c = s.cost
     pages = {t: n for t, n in ((Tier.GPU, c.gpu), (Tier.HOST, c.host), (Tier.L3, c.l3)) if n}
-    fetch = max(0.0, c.l3_s - s.queue_s) + c.load_s      # what the fetch adds to the queue
-    return Prediction(s.worker, s.queue_s + fetch + c.prefill_s, s.queue_s, fetch,
-                      c.prefill_s, pages, c.recompute)
+    fetch = s.ttft_s - s.queue_s - c.prefill_s           # what the fetch adds to the queue
+    return Prediction(s.worker, s.ttft_s, s.queue_s, fetch, c.prefill_s, pages, c.recompute)
 
 
 _NONE = Prefix(0, 0)
